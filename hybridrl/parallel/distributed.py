@@ -1,0 +1,78 @@
+"""Process-group and Megatron parallel-state setup; the one place that picks device and backend."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+
+from hybridrl.parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+
+def use_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def backend() -> str:
+    return "nccl" if use_cuda() else "gloo"
+
+
+def device() -> torch.device:
+    """This process's compute device: its local GPU, else the CPU."""
+    if use_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def prepare_process() -> None:
+    """Make Megatron-Core usable in this process: CPU shims when CUDA is absent, else pick the GPU."""
+    if use_cuda():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    else:
+        import megatron_patches
+
+        megatron_patches.apply()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
+                     timeout_s: float = 600.0) -> None:
+    """Join the default process group (gloo on CPU, nccl on GPU) after preparing the process."""
+    prepare_process()
+    if torch.distributed.is_initialized():
+        return
+    torch.distributed.init_process_group(
+        backend=backend(), init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    logger.debug("rank %d/%d joined %s group at %s:%d", rank, world_size, backend(), master_addr, master_port)
+
+
+def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
+    """(Re)build Megatron's parallel state for `layout` over the existing default group."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    layout.check_world_size(torch.distributed.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

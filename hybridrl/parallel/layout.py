@@ -1,0 +1,128 @@
+"""ParallelLayout: the one owner of rank arithmetic for tensor/pipeline/data parallelism.
+
+Ranks follow Megatron-Core's default order "tp-cp-ep-dp-pp" (cp = ep = 1 here):
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+so TP ranks are consecutive, DP strides by tp, PP strides by tp*dp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work (bad sizes, wrong world size, indivisible model)."""
+
+
+class RankCoords(NamedTuple):
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    vpp: int | None = None  # virtual pipeline chunks per stage (optional)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("sequence_parallel needs tp > 1 (it splits activations over the TP group)")
+        if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
+            raise LayoutError("vpp (virtual pipeline) needs pp > 1 and vpp >= 1")
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} does not match the "
+                f"{world_size} processes/devices available; change parallel.tp/pp/dp or the device count"
+            )
+
+    def check_model(self, num_attention_heads: int, num_query_groups: int, num_layers: int,
+                    vocab_size: int | None = None) -> None:
+        """Refuse a model that cannot be split by this layout, naming the option and the fix."""
+        if num_attention_heads % self.tp:
+            raise LayoutError(f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}; "
+                              f"choose tp in {divisors(num_attention_heads)}")
+        if num_query_groups % self.tp:
+            raise LayoutError(f"num_key_value_heads={num_query_groups} is not divisible by tp={self.tp}; "
+                              f"choose tp in {divisors(num_query_groups)}")
+        stages = self.pp * (self.vpp or 1)
+        if num_layers % stages:
+            raise LayoutError(f"num_layers={num_layers} is not divisible by pp*vpp={stages}; "
+                              f"choose pp in {divisors(num_layers)}")
+
+    # ---- rank <-> coordinates ----------------------------------------------------------------
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside world of size {self.world_size}")
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return RankCoords(pp_rank, dp_rank, tp_rank)
+
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        if not (0 <= pp < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp):
+            raise LayoutError(f"coordinates pp={pp} dp={dp} tp={tp} outside layout {self}")
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def ranks(self) -> Iterator[int]:
+        return iter(range(self.world_size))
+
+    # ---- groups (same membership Megatron builds) ---------------------------------------------
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        """TP x PP group of each DP replica, ordered by model-parallel rank (pp-major, tp-minor)."""
+        return [[self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+
+    def group_of(self, rank: int, groups: list[list[int]]) -> list[int]:
+        for group in groups:
+            if rank in group:
+                return group
+        raise LayoutError(f"rank {rank} is in no group")
+
+    def model_parallel_rank(self, rank: int) -> int:
+        c = self.coords(rank)
+        return c.pp * self.tp + c.tp
+
+    def is_collect_rank(self, rank: int) -> bool:
+        """The rank whose output represents its DP shard: TP rank 0 of the last PP stage."""
+        c = self.coords(rank)
+        return c.tp == 0 and c.pp == self.pp - 1
+
+    def collect_ranks(self) -> list[int]:
+        """One rank per DP replica, in DP order, whose outputs the driver collects."""
+        return [self.rank(self.pp - 1, d, 0) for d in range(self.dp)]
+
+    def describe(self) -> str:
+        extra = ", sp" if self.sequence_parallel else ""
+        extra += f", vpp={self.vpp}" if self.vpp else ""
+        return f"tp={self.tp}, pp={self.pp}, dp={self.dp}{extra}"
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]

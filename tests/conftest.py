@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="module")
+def dist_pool():
+    """Factory for long-lived gloo pools, one per world size, shared by the tests of a module."""
+    from dist_harness import DistPool
+
+    pools: dict[int, DistPool] = {}
+
+    def get(world_size: int) -> DistPool:
+        if world_size not in pools:
+            pools[world_size] = DistPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
