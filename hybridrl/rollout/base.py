@@ -1,0 +1,202 @@
+"""The rollout interface shared by every generation engine.
+
+`RolloutEngine.generate(prompts, SamplingParams) -> Batch` returns, per sampled sequence (prompt-major:
+the n samples of prompt 0 first, matching `Batch.repeat_interleave(n)`):
+  "prompts"           [B, P]    left-padded prompt ids (pad_token_id)
+  "responses"         [B, R]    right-padded response ids (the stop token, when hit, is included)
+  "input_ids"         [B, P+R]  prompts ++ responses
+  "attention_mask"    [B, P+R]  1 on real tokens
+  "response_mask"     [B, R]    1 on generated tokens
+  "rollout_log_probs" [B, R]    log-prob of each sampled token under the distribution it was sampled
+                                from (0 on padding); see `sampling.py` for the exact definition
+  non-tensor "finish_reasons": "stop" | "length"; meta {"sampling": params as a dict}.
+
+Generation stops only at `SamplingParams.stop_token_ids` (callers add the tokenizer's EOS there):
+both engines ignore the model's own EOS so that they behave identically.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Prompts = Sequence[Sequence[int]]
+
+
+class SamplingParamsError(ValueError):
+    """Sampling parameters or prompts that no engine can honour."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses. `greedy=True` (or temperature 0) takes the argmax; top_k <= 0 and
+    top_p == 1 disable those filters; `seed` makes sampling reproducible for the same prompts."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise lists (from YAML/OmegaConf) to a hashable tuple.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.n, int) or self.n < 1:
+            raise SamplingParamsError(f"SamplingParams.n must be an integer >= 1 (samples per prompt), got {self.n!r}")
+        if self.temperature < 0:
+            raise SamplingParamsError(
+                f"SamplingParams.temperature must be >= 0, got {self.temperature!r}; use 0 or greedy=True for argmax")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}; 1 disables it")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise SamplingParamsError(f"SamplingParams.top_k must be an integer >= -1, got {self.top_k!r}; "
+                                      f"-1 or 0 disables it")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise SamplingParamsError(f"SamplingParams.max_new_tokens must be an integer >= 1, "
+                                      f"got {self.max_new_tokens!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(f"SamplingParams.stop_token_ids must be token ids >= 0, "
+                                      f"got {list(self.stop_token_ids)}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+
+def validate_prompts(prompts: Prompts, max_model_len: int, max_new_tokens: int,
+                     vocab_size: int | None = None) -> list[list[int]]:
+    """Refuse prompts an engine cannot serve, before any work starts; return them as int lists."""
+    if len(prompts) == 0:
+        raise SamplingParamsError("generate() got no prompts; pass at least one list of token ids")
+    out: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise SamplingParamsError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(ids) + max_new_tokens > max_model_len:
+            raise SamplingParamsError(
+                f"prompt {i} has {len(ids)} tokens + max_new_tokens={max_new_tokens} > the context length "
+                f"{max_model_len}; shorten the prompt, lower max_new_tokens or raise rollout.max_model_len")
+        if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise SamplingParamsError(f"prompt {i} has token ids outside [0, {vocab_size}) (the model's vocabulary)")
+        out.append(ids)
+    return out
+
+
+def prompts_from_batch(batch: Any) -> list[list[int]]:
+    """Unpad the left-padded "input_ids" of a Batch (with its "attention_mask") into token-id lists."""
+    input_ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    return [row[m].tolist() for row, m in zip(input_ids, mask)]
+
+
+@dataclass
+class GeneratedSequence:
+    """One sampled response: its prompt, tokens, per-token log-probs and why it ended."""
+
+    prompt: list[int]
+    tokens: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop" | "length"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def finish_reason(tokens: Sequence[int], params: SamplingParams) -> str:
+    return "stop" if tokens and tokens[-1] in params.stop_token_ids else "length"
+
+
+def assemble_batch(sequences: list[GeneratedSequence], params: SamplingParams, pad_token_id: int) -> Any:
+    """Pack generated sequences into the Batch layout documented at the top of this module."""
+    from hybridrl.protocol import Batch
+
+    num = len(sequences)
+    prompt_len = max(len(s.prompt) for s in sequences)
+    response_len = max(max(len(s.tokens) for s in sequences), 1)
+    prompts = torch.full((num, prompt_len), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((num, prompt_len), dtype=torch.long)
+    responses = torch.full((num, response_len), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((num, response_len), dtype=torch.long)
+    log_probs = torch.zeros((num, response_len), dtype=torch.float32)
+    for row, seq in enumerate(sequences):
+        p, r = len(seq.prompt), len(seq.tokens)
+        prompts[row, prompt_len - p:] = torch.tensor(seq.prompt, dtype=torch.long)
+        prompt_mask[row, prompt_len - p:] = 1
+        if r:
+            responses[row, :r] = torch.tensor(seq.tokens, dtype=torch.long)
+            response_mask[row, :r] = 1
+            log_probs[row, :r] = torch.tensor(seq.log_probs, dtype=torch.float32)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+        "response_mask": response_mask,
+        "rollout_log_probs": log_probs,
+    }
+    return Batch(tensors, non_tensors={"finish_reasons": [s.finish_reason for s in sequences]},
+                 meta={"sampling": params.to_dict()})
+
+
+class RolloutEngine(abc.ABC):
+    """A generation engine. Weights come from the hybrid engine through `load_weights`; `release()` frees
+    the KV cache (and whatever else the engine can give back) for training, `wake()` restores it."""
+
+    def __init__(self) -> None:
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _check_awake(self) -> None:
+        if self._released:
+            raise RuntimeError(f"{type(self).__name__}.generate() called after release(); call wake() first")
+
+    @abc.abstractmethod
+    def generate(self, prompts: Prompts | Any, params: SamplingParams) -> Any:
+        """Sample `params.n` responses per prompt (token-id lists, or a Batch with left-padded
+        "input_ids" + "attention_mask"); return a Batch (layout above)."""
+
+    @abc.abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Take new weights (in place); cached state computed with the old ones is dropped."""
+
+    def release(self) -> None:
+        self._released = True
+
+    def wake(self) -> None:
+        self._released = False
+
+    def close(self) -> None:
+        """Free everything; the engine is unusable afterwards."""
+        self.release()
+
+
+def normalise_prompts(prompts: Prompts | Any) -> Prompts:
+    if hasattr(prompts, "__getitem__") and not isinstance(prompts, (list, tuple)) and _is_batch(prompts):
+        return prompts_from_batch(prompts)
+    if isinstance(prompts, torch.Tensor):
+        raise SamplingParamsError("pass prompts as lists of token ids (or a Batch with input_ids and "
+                                  "attention_mask), not a bare tensor whose padding is ambiguous")
+    return prompts
+
+
+def _is_batch(obj: Any) -> bool:
+    try:
+        from hybridrl.protocol import Batch
+    except ImportError:
+        return False
+    return isinstance(obj, Batch)

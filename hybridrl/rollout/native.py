@@ -1,0 +1,191 @@
+"""Native rollout engine: the generation-layout Megatron-Core GPTModel with a KV cache.
+
+KV caching is Megatron-Core's own: a `StaticInferenceContext` passed to `GPTModel.forward` as
+`inference_context` makes every attention layer keep its keys/values ([max_len, max_batch, groups,
+head_dim] per layer) and attend over them; only the last position's logits are computed.
+
+Batched decoding of variable-length prompts: prompts are left-padded to a common length and an explicit
+boolean attention mask (causal AND key-is-real) hides the padding, in the prefill and every decode step.
+Left padding shifts a row's RoPE positions by a constant, which leaves q.k (relative positions) unchanged,
+so a row's tokens and log-probs equal those of the unpadded sequence, and those of a full forward of the
+training model on the finished sequence (checked by the tests). Learned absolute position embeddings get
+per-row positions (cumsum of the mask) through `position_ids`.
+
+Any generation TP: every rank of the generation TP group runs this same loop; logits are gathered over
+the TP group (`runtime_gather_output`), and all ranks sample with one seed, so they draw the same tokens
+with no extra communication. Pipeline parallelism at generation (p_g > 1) is not supported: p_g = 1.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+
+from hybridrl.rollout.base import (GeneratedSequence, Prompts, RolloutEngine, SamplingParams, assemble_batch,
+                                   finish_reason, normalise_prompts, validate_prompts)
+from hybridrl.rollout.sampling import sample_tokens
+
+logger = logging.getLogger(__name__)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (they expose `.module`)."""
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+class NativeRolloutEngine(RolloutEngine):
+    """Generate with a Megatron GPTModel already in generation layout (p_g = 1, any t_g).
+
+    Args:
+        model: the generation-layout model (possibly wrapped); its parameters are the live weights,
+            so the hybrid engine can write into them in place.
+        max_model_len: context length (prompt + response) the engine accepts.
+        vocab_size: the real vocabulary (Megatron may pad the output layer; padded logits are dropped).
+        max_batch_size: rows decoded together; the KV cache holds max_batch_size x max_model_len.
+        pad_token_id: filler for padding in the returned Batch (never attended to).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_model_len: int, vocab_size: int | None = None,
+                 max_batch_size: int = 32, pad_token_id: int = 0) -> None:
+        super().__init__()
+        self.model = model
+        gpt = _unwrap(model)
+        if not (getattr(gpt, "pre_process", True) and getattr(gpt, "post_process", True)):
+            raise ValueError("the native rollout engine needs the whole model on each rank (generation "
+                             "pipeline size p_g = 1); set rollout.pp=1")
+        self.vocab_size = int(vocab_size if vocab_size is not None else gpt.vocab_size)
+        if max_model_len < 2:
+            raise ValueError(f"rollout max_model_len must be >= 2, got {max_model_len}")
+        if max_batch_size < 1:
+            raise ValueError(f"rollout max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_model_len = int(max_model_len)
+        self.max_batch_size = int(max_batch_size)
+        self.pad_token_id = int(pad_token_id)
+        pg_collection = getattr(gpt, "pg_collection", None)
+        self.tp_group = getattr(pg_collection, "tp", None)
+        self.device = next(gpt.parameters()).device
+        self._context = None  # StaticInferenceContext, built lazily, dropped by release()
+
+    # ---- KV cache ----------------------------------------------------------------------------------
+    def _inference_context(self):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        if self._context is None:
+            self._context = StaticInferenceContext(self.max_batch_size, self.max_model_len)
+        self._context.reset()
+        return self._context
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds right now (0 before the first generate and after release())."""
+        if self._context is None:
+            return 0
+        return sum(t.numel() * t.element_size() for kv in self._context.key_value_memory_dict.values() for t in kv)
+
+    def release(self) -> None:
+        """Free the KV cache (the attention layers re-allocate it on the next generate after wake())."""
+        self._context = None
+        super().release()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Copy (Megatron name, generation-shard tensor) pairs into the model in place.
+
+        Called with no tensors when the hybrid engine has already written the generation parameters in
+        place: then it only drops state computed with the old weights (the KV cache contents)."""
+        if named_tensors is not None:
+            params = dict(_unwrap(self.model).named_parameters())
+            copied = 0
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    if name not in params:
+                        raise KeyError(f"load_weights: no parameter {name!r} in the generation model")
+                    if params[name].shape != tensor.shape:
+                        raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the generation "
+                                         f"shard is {tuple(params[name].shape)}")
+                    params[name].copy_(tensor)
+                    copied += 1
+            logger.debug("native engine: copied %d tensors", copied)
+        if self._context is not None:
+            self._context.reset()
+
+    # ---- generation --------------------------------------------------------------------------------
+    def _shared_seed(self, seed: int | None) -> int:
+        """The seed every rank of the generation TP group samples with (drawn once when not given)."""
+        if seed is not None:
+            return int(seed)
+        drawn = torch.randint(0, 2**62, (1,), dtype=torch.long)
+        if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
+            torch.distributed.broadcast(drawn, src=torch.distributed.get_global_rank(self.tp_group, 0),
+                                        group=self.tp_group)
+        return int(drawn.item())
+
+    @torch.no_grad()
+    def generate(self, prompts: Prompts | Any, params: SamplingParams) -> Any:
+        self._check_awake()
+        prompt_ids = validate_prompts(normalise_prompts(prompts), self.max_model_len, params.max_new_tokens,
+                                      self.vocab_size)
+        rows = [ids for ids in prompt_ids for _ in range(params.n)]  # prompt-major, like repeat_interleave
+        generator = torch.Generator(device=self.device).manual_seed(self._shared_seed(params.seed))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            sequences: list[GeneratedSequence] = []
+            for start in range(0, len(rows), self.max_batch_size):
+                sequences.extend(self._generate_chunk(rows[start:start + self.max_batch_size], params, generator))
+        finally:
+            self.model.train(was_training)
+        return assemble_batch(sequences, params, self.pad_token_id)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, context) -> torch.Tensor:
+        logits = self.model(tokens, positions, mask, inference_context=context, runtime_gather_output=True)
+        return logits[:, -1, :self.vocab_size].float()
+
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams,
+                        generator: torch.Generator) -> list[GeneratedSequence]:
+        batch, dev = len(rows), self.device
+        prompt_len = max(len(r) for r in rows)
+        total_len = prompt_len + params.max_new_tokens
+        tokens = torch.full((batch, total_len), self.pad_token_id, dtype=torch.long, device=dev)
+        is_real = torch.zeros((batch, total_len), dtype=torch.bool, device=dev)
+        for i, ids in enumerate(rows):
+            tokens[i, prompt_len - len(ids):prompt_len] = torch.tensor(ids, dtype=torch.long)
+            is_real[i, prompt_len - len(ids):prompt_len] = True
+        positions = (is_real.long().cumsum(dim=1) - 1).clamp(min=0)
+        causal = torch.ones((total_len, total_len), dtype=torch.bool, device=dev).tril()
+        stop_ids = torch.tensor(list(params.stop_token_ids) or [-1], dtype=torch.long, device=dev)
+
+        context = self._inference_context()
+        # Prefill: all prompt positions at once. Megatron masks where the mask is True.
+        allowed = causal[:prompt_len, :prompt_len].unsqueeze(0) & is_real[:, None, :prompt_len]
+        logits = self._forward(tokens[:, :prompt_len], positions[:, :prompt_len], ~allowed.unsqueeze(1), context)
+        context.sequence_len_offset += prompt_len
+
+        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        log_probs = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=dev)
+        num_generated = torch.zeros(batch, dtype=torch.long, device=dev)
+        for step in range(params.max_new_tokens):
+            pos = prompt_len + step
+            new_tokens, new_log_probs = sample_tokens(logits, params, generator)
+            active = ~finished
+            tokens[:, pos] = torch.where(active, new_tokens, self.pad_token_id)
+            is_real[:, pos] = active
+            log_probs[:, step] = torch.where(active, new_log_probs, 0.0)
+            num_generated += active.long()
+            finished |= active & torch.isin(new_tokens, stop_ids)
+            if bool(finished.all()) or step == params.max_new_tokens - 1:
+                break
+            positions[:, pos] = positions[:, pos - 1] + 1
+            decode_mask = ~is_real[:, None, None, :pos + 1]  # the new query sees every real key so far
+            logits = self._forward(tokens[:, pos:pos + 1], positions[:, pos:pos + 1], decode_mask, context)
+            context.sequence_len_offset += 1
+
+        out = []
+        for i, ids in enumerate(rows):
+            count = int(num_generated[i])
+            generated = tokens[i, prompt_len:prompt_len + count].tolist()
+            out.append(GeneratedSequence(prompt=list(ids), tokens=generated,
+                                         log_probs=log_probs[i, :count].tolist(),
+                                         finish_reason=finish_reason(generated, params)))
+        return out
