@@ -1,0 +1,115 @@
+"""Byte and memory accounting of the training -> generation transition, per rank and per strategy.
+
+Every strategy is an all-gather inside its gather groups (plan.gather_groups). An all-gather needs equal
+slots, so a group's slot is its largest contribution; what fills the slots beyond real data is padding and
+is reported apart (it comes from unequal pipeline stages: the embedding on the first, the output layer on the
+last, and from partition dims that do not divide). Per rank:
+  recv_payload   bytes of other ranks' parameters received (Table 2 "communication volume")
+  sent_payload   bytes sent, ring all-gather order (every chunk but the successor's)
+  buffer_payload parameter bytes materialised for generation (Table 2 "peak memory"): the generation shard
+                 (hybrid, in place: the rank's own training shard is its slot) or the whole model (baselines)
+  redundant      bytes of the rank's training parameters also held in that buffer (Table 2 "redundancy")
+Table 2 (M = model bytes): DS-Chat (tpd-1)/(tpd) M, M, M/(tpd); HybridFlow-V (tp-1)/(tp) M, M, M/(tp);
+HybridFlow (tp - t_g p_g)/(t_g p_g t p) M, M/(t_g p_g), 0. The per-rank means reproduce these exactly when
+every parameter is TP-partitioned; norms replicated over TP make the hybrid's generation shards hold them
+once per generation TP rank, so its exact means use M' = P + t_g*R (P partitioned, R replicated bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+
+from hybridrl.hybrid_engine.plan import STRATEGIES, HybridEnginePlan, check_strategy
+from hybridrl.parallel.generation import GenerationLayout
+from hybridrl.parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class RankCost:
+    rank: int
+    recv_payload: int
+    recv_padding: int
+    sent_payload: int
+    sent_padding: int
+    buffer_payload: int
+    buffer_padding: int
+    redundant: int
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    strategy: str
+    ranks: tuple[RankCost, ...]
+
+    def mean(self, field: str) -> Fraction:
+        """Exact mean over ranks of a RankCost field."""
+        return Fraction(sum(getattr(r, field) for r in self.ranks), len(self.ranks))
+
+    def max(self, field: str) -> int:
+        return max(getattr(r, field) for r in self.ranks)
+
+    def summary(self) -> dict[str, float | int]:
+        return {
+            "bytes_per_gpu_mean": float(self.mean("recv_payload")),
+            "bytes_per_gpu_max": self.max("recv_payload"),
+            "padding_bytes_per_gpu_max": self.max("recv_padding"),
+            "sent_bytes_per_gpu_max": self.max("sent_payload"),
+            "peak_extra_bytes_per_gpu": self.max("buffer_payload"),
+            "peak_extra_bytes_per_gpu_mean": float(self.mean("buffer_payload")),
+            "peak_padding_bytes_per_gpu_max": self.max("buffer_padding"),
+            "redundant_bytes_per_gpu_max": self.max("redundant"),
+        }
+
+    def per_rank(self) -> list[dict[str, int]]:
+        return [asdict(r) for r in self.ranks]
+
+
+def account(plan: HybridEnginePlan, strategy: str) -> StrategyCost:
+    """Per-rank bytes sent/received and buffer memory of one strategy, from per-parameter shard sizes."""
+    check_strategy(strategy)
+    costs: dict[int, RankCost] = {}
+    for group in plan.gather_groups(strategy):
+        contrib = [plan.contribution(r, strategy) for r in group]
+        payloads = [c[0] for c in contrib]
+        slot = max(c[0] + c[1] for c in contrib)
+        total, n = sum(payloads), len(group)
+        for i, rank in enumerate(group):
+            recv = total - payloads[i]
+            sent = total - payloads[(i + 1) % n] if n > 1 else 0
+            if strategy == "hybrid":
+                # the rank's own training shard is its slot of the generation buffer (in place); only
+                # replicated tensors it holds but does not own in this group are held twice
+                redundant = plan.training_bytes(rank) - payloads[i]
+            elif strategy == "hybridflow_v":
+                redundant = plan.training_bytes(rank)
+            else:  # ds_chat: the rank's ZeRO-3 partition stays beside the gathered full model
+                redundant = payloads[i]
+            costs[rank] = RankCost(rank=rank, recv_payload=recv, recv_padding=(n - 1) * slot - recv,
+                                   sent_payload=sent, sent_padding=(n - 1) * slot - sent if n > 1 else 0,
+                                   buffer_payload=total, buffer_padding=n * slot - total, redundant=redundant)
+    return StrategyCost(strategy, tuple(costs[r] for r in sorted(costs)))
+
+
+def account_all(plan: HybridEnginePlan) -> dict[str, StrategyCost]:
+    return {s: account(plan, s) for s in STRATEGIES}
+
+
+def table2(strategy: str, model_bytes: int | Fraction, train: ParallelLayout,
+           gen: GenerationLayout) -> dict[str, Fraction]:
+    """HybridFlow Table 2 per-GPU communication, peak memory and redundancy, as exact fractions."""
+    check_strategy(strategy)
+    m = Fraction(model_bytes)
+    t, p, d, tg, pg = train.tp, train.pp, train.dp, gen.tp, gen.pp
+    if strategy == "ds_chat":
+        return {"comm": Fraction(t * p * d - 1, t * p * d) * m, "peak": m, "redundancy": m / (t * p * d)}
+    if strategy == "hybridflow_v":
+        return {"comm": Fraction(t * p - 1, t * p) * m, "peak": m, "redundancy": m / (t * p)}
+    return {"comm": Fraction(t * p - tg * pg, tg * pg * t * p) * m, "peak": m / (tg * pg),
+            "redundancy": Fraction(0)}
+
+
+def hybrid_effective_bytes(plan: HybridEnginePlan) -> int:
+    """M' = P + t_g*R: bytes of one replica's generation shards (norms once per generation TP rank)."""
+    partitioned = sum(sum(row) for row in plan.table.partitioned)
+    replicated = sum(plan.table.replicated)
+    return (partitioned + plan.gen.tp * replicated) * plan.dtype_bytes

@@ -1,0 +1,188 @@
+"""The 3D-HybridEngine plan: who gathers with whom, which generation shard each rank ends up holding, which
+training shards compose it, and what each rank contributes to the gather under each strategy.
+
+Strategies (selectable, same code; the baselines are for measurement):
+  hybrid        HybridFlow: all-gather inside each micro-DP group (d_g ranks); a rank's training shard is its
+                own slot of the generation buffer, so nothing is held twice.
+  hybridflow_v  HybridFlow-V: all-gather over the training TP x PP group (the whole model), then slice.
+  ds_chat       DeepSpeed-Chat: all-gather over all t*p*d ranks, each contributing its ZeRO-3 partition
+                (1/d of its model-parallel shard), then slice.
+
+Regrouping a TP-partitioned tensor: generation TP shard j = training shards [j*s_t, (j+1)*s_t) along the
+partition dim, but only where Megatron's fused layout is interleaved finer than one TP shard:
+  - fused QKV: rows are blocks per query group ([q heads of the group; k; v]) and TP ranks own consecutive
+    query groups, so a plain concat of consecutive shards IS the t_g shard (rule CONCAT);
+  - gated fc1 (SwiGLU): each TP shard holds [gate_i; up_i], so a concat gives [g0;u0;g1;u1] while the t_g
+    shard is [g0;g1;u0;u1]: each shard is split in halves and the halves regrouped (rule GATED_HALVES).
+Both are checked against Megatron-style sharding of the full tensor in tests/test_hybrid_plan.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES, ModelShapes, ParamSpec
+from hybridrl.parallel.generation import (GenerationGroups, GenerationLayout, GenShard,
+                                          check_generation_layout)
+from hybridrl.parallel.layout import LayoutError, ParallelLayout
+
+STRATEGIES = ("hybrid", "ds_chat", "hybridflow_v")
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown transition strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def tp_shard_elements(spec: ParamSpec, tp: int, tp_rank: int) -> tuple[int, int]:
+    """(payload, padding) elements of one TP shard. A partition dim that does not divide evenly is padded
+    to a multiple of tp (every shard has ceil(n/tp) rows); the missing rows are padding."""
+    if spec.partition_dim is None:
+        return spec.numel, 0
+    n = spec.shape[spec.partition_dim]
+    rows_each = -(-n // tp)
+    rows = max(0, min(rows_each, n - tp_rank * rows_each))
+    per_row = spec.numel // n
+    return rows * per_row, (rows_each - rows) * per_row
+
+
+@dataclass(frozen=True)
+class StageShardTable:
+    """Element counts per training stage: TP-partitioned payload/padding per TP rank, replicated per stage."""
+    partitioned: tuple[tuple[int, ...], ...]   # [pp][tp]
+    tp_padding: tuple[tuple[int, ...], ...]    # [pp][tp]
+    replicated: tuple[int, ...]                # [pp]
+
+
+class HybridEnginePlan:
+    """Plan of one (training layout, generation layout, model) triple; all sizes are in bytes of `dtype_bytes`."""
+
+    def __init__(self, train: ParallelLayout, gen: GenerationLayout, shapes: ModelShapes,
+                 dtype_bytes: int = 2) -> None:
+        train.check_model(shapes.num_attention_heads, shapes.num_query_groups, shapes.num_layers)
+        check_generation_layout(train, gen, num_attention_heads=shapes.num_attention_heads,
+                                num_query_groups=shapes.num_query_groups, num_layers=shapes.num_layers)
+        self.train, self.gen, self.shapes, self.dtype_bytes = train, gen, shapes, dtype_bytes
+        self.groups = GenerationGroups(train, gen)
+        self.table = self._stage_table()
+
+    # ---- model placement -------------------------------------------------------------------------
+    def train_stage_of(self, spec: ParamSpec) -> int:
+        if spec.section == "embedding":
+            return 0
+        if spec.section == "final":
+            return self.train.pp - 1
+        return spec.layer // (self.shapes.num_layers // self.train.pp)
+
+    def gen_stage_layers(self, gen_pp: int) -> range:
+        """Layers of generation stage gen_pp = the layers of training stages [gen_pp*s_p, (gen_pp+1)*s_p)."""
+        per_stage = self.shapes.num_layers // self.gen.pp
+        return range(gen_pp * per_stage, (gen_pp + 1) * per_stage)
+
+    def _stage_table(self) -> StageShardTable:
+        t, p = self.train.tp, self.train.pp
+        part = [[0] * t for _ in range(p)]
+        pad = [[0] * t for _ in range(p)]
+        repl = [0] * p
+        for spec in self.shapes.params:
+            stage = self.train_stage_of(spec)
+            if spec.partition_dim is None:
+                repl[stage] += spec.numel
+                continue
+            for r in range(t):
+                payload, padding = tp_shard_elements(spec, t, r)
+                part[stage][r] += payload
+                pad[stage][r] += padding
+        return StageShardTable(tuple(map(tuple, part)), tuple(map(tuple, pad)), tuple(repl))
+
+    @property
+    def model_bytes(self) -> int:
+        """M: bytes of the whole model, every parameter once."""
+        return self.shapes.numel * self.dtype_bytes
+
+    # ---- what each strategy gathers -----------------------------------------------------------------
+    def gather_groups(self, strategy: str) -> list[list[int]]:
+        check_strategy(strategy)
+        if strategy == "hybrid":
+            return self.groups.micro_dp_groups()
+        if strategy == "hybridflow_v":
+            return self.train.model_parallel_groups()
+        return [list(self.train.ranks())]
+
+    def contribution(self, rank: int, strategy: str) -> tuple[int, int]:
+        """(payload, padding) bytes this rank puts into its gather. Replicated tensors (norms) are put in by
+        one owner per gathered copy: the first training TP rank of the rank's generation TP shard (hybrid) or
+        TP rank 0 (baselines). ds_chat splits the model-parallel contribution evenly over the d DP ranks."""
+        check_strategy(strategy)
+        c = self.train.coords(rank)
+        owner_tp = (c.tp % self.groups.tp_stride == 0) if strategy == "hybrid" else c.tp == 0
+        payload = self.table.partitioned[c.pp][c.tp] + (self.table.replicated[c.pp] if owner_tp else 0)
+        padding = self.table.tp_padding[c.pp][c.tp]
+        if strategy == "ds_chat":  # flat ZeRO-3 split of the model-parallel shard over the DP ranks
+            total, d = payload + padding, self.train.dp
+            each = -(-total // d)
+            mine = max(0, min(each, total - c.dp * each))
+            mine_payload = max(0, min(mine, payload - c.dp * each))
+            return mine_payload * self.dtype_bytes, (each - mine_payload) * self.dtype_bytes
+        return payload * self.dtype_bytes, padding * self.dtype_bytes
+
+    def training_bytes(self, rank: int) -> int:
+        """Payload bytes of the rank's training-layout parameters (Megatron: its TP x PP shard)."""
+        c = self.train.coords(rank)
+        return (self.table.partitioned[c.pp][c.tp] + self.table.replicated[c.pp]) * self.dtype_bytes
+
+    # ---- composition of generation shards -----------------------------------------------------------
+    def gen_shard(self, rank: int) -> GenShard:
+        return self.groups.gen_shard(rank)
+
+    def composition(self, rank: int) -> list[int]:
+        """Training ranks (same DP replica) whose shards compose this rank's generation shard, in micro-DP
+        order; equals the rank's micro-DP group."""
+        dp = self.train.coords(rank).dp
+        return [self.train.rank(pp=pp, dp=dp, tp=tp)
+                for pp, tp in self.groups.training_shards_of(self.gen_shard(rank))]
+
+    def describe_rank(self, rank: int) -> dict:
+        c = self.train.coords(rank)
+        shard = self.gen_shard(rank)
+        layers = self.gen_stage_layers(shard.gen_pp)
+        return {"rank": rank, "train": {"pp": c.pp, "dp": c.dp, "tp": c.tp},
+                "gen": {"pp": shard.gen_pp, "tp": shard.gen_tp, "dp": self.groups.gen_dp_rank(rank),
+                        "micro_dp_rank": self.groups.micro_dp_rank(rank)},
+                "gen_layers": [layers.start, layers.stop], "composed_of_ranks": self.composition(rank)}
+
+
+# ---- regrouping tensors (used by the reshard; pure torch, checked against Megatron-style sharding) ------
+def generation_shard_from_training(training_shards: Sequence, spec: ParamSpec):
+    """Form one generation TP shard from the s_t consecutive training TP shards of a parameter (in TP order).
+    Replicated tensors: every training shard is the full tensor; the first is returned."""
+    import torch
+
+    if spec.partition_dim is None:
+        return training_shards[0]
+    if spec.regroup == CONCAT:
+        return torch.cat(list(training_shards), dim=spec.partition_dim)
+    if spec.regroup == GATED_HALVES:
+        halves = [s.chunk(2, dim=spec.partition_dim) for s in training_shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=spec.partition_dim)
+    raise LayoutError(f"unknown regroup rule {spec.regroup!r} for {spec.name}")
+
+
+def training_shard_from_generation(gen_shard, spec: ParamSpec, s_t: int, index: int):
+    """Inverse of generation_shard_from_training: the index-th (0 <= index < s_t) training shard inside a
+    generation TP shard (used when switching back, and to locate a rank's slot in the buffer)."""
+    import torch
+
+    if spec.partition_dim is None:
+        return gen_shard
+    if spec.regroup == CONCAT:
+        return gen_shard.chunk(s_t, dim=spec.partition_dim)[index]
+    if spec.regroup == GATED_HALVES:
+        gate, up = gen_shard.chunk(2, dim=spec.partition_dim)
+        return torch.cat([gate.chunk(s_t, dim=spec.partition_dim)[index],
+                          up.chunk(s_t, dim=spec.partition_dim)[index]], dim=spec.partition_dim)
+    raise LayoutError(f"unknown regroup rule {spec.regroup!r} for {spec.name}")
+
+
+__all__ = ["STRATEGIES", "HybridEnginePlan", "StageShardTable", "check_strategy", "tp_shard_elements",
+           "generation_shard_from_training", "training_shard_from_generation"]
