@@ -1,8 +1,77 @@
-"""The only code that reaches into Megatron-Core internals. Entry point: `apply()`.
+"""The only code that reaches into Megatron-Core internals: the CPU/gloo shims.
 
-(placeholder: the CPU/gloo shims are being written; see issue 2)
+One entry point, `apply()`: idempotent, a no-op when CUDA is available, and it refuses (raises
+`UnsupportedMegatronVersion`) on a megatron-core outside `SUPPORTED` instead of silently mis-patching.
+Each patch is a module naming the upstream site it replaces, the versions it was checked on
+(`CHECKED_ON`) and the versions it applies to (`VERSIONS`):
+
+    rng          CPU-generator RNG tracker      (tensor_parallel/random.py)
+    cuda_device  torch.cuda.* / 'cuda' -> CPU   (~160 sites across megatron/core)
+    tensor_type  'torch.cuda.FloatTensor' names in the optimizer dtype checks
+    norm_sp      sequence parallel with WrappedTorchNorm (tag norm params sequence_parallel)
+    moe          moe_utils.te_general_gemm missing without Transformer Engine
+
+Model builders that enable sequence parallel may call `mark_sequence_parallel_params(model)` (a no-op
+for norms built after `apply()`, which are tagged already).
 """
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from types import ModuleType
+
+from megatron_patches._base import CHECKED_ON, SUPPORTED, UnsupportedMegatronVersion, check_version
+from megatron_patches.norm_sp import mark_sequence_parallel_params
+
+logger = logging.getLogger("megatron_patches")
+
+# Order matters only for readability; each patch is independent.
+PATCHES = ("rng", "cuda_device", "tensor_type", "norm_sp", "moe")
+
+__all__ = ["apply", "applied", "check_version", "mark_sequence_parallel_params", "needed",
+           "UnsupportedMegatronVersion", "SUPPORTED", "CHECKED_ON", "PATCHES"]
+
+_lock = threading.Lock()
+_applied: list[str] = []
 
 
-def apply() -> None:
-    """Apply the CPU/gloo shims once per process (no-op when CUDA is present)."""
+def needed() -> bool:
+    """The shims are for processes without CUDA only (they are process-global)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def patch_module(name: str) -> ModuleType:
+    return importlib.import_module(f"megatron_patches.{name}")
+
+
+def apply() -> list[str]:
+    """Apply the CPU/gloo shims once per process; return the names of the patches in force.
+
+    No-op (returns []) when CUDA is available. Raises UnsupportedMegatronVersion, before touching
+    anything, when megatron-core's version is outside SUPPORTED or outside any patch's VERSIONS.
+    """
+    if not needed():
+        return []
+    with _lock:
+        if _applied:
+            return list(_applied)
+        import megatron.core
+
+        version = megatron.core.__version__
+        check_version(version)
+        modules = [patch_module(name) for name in PATCHES]
+        for module in modules:  # check all first: never leave a half-patched process
+            check_version(version, module.VERSIONS, what=module.__name__)
+        for name, module in zip(PATCHES, modules):
+            module.apply()
+            _applied.append(name)
+        logger.info("megatron_patches: applied %s for megatron-core %s (CPU/gloo)", ", ".join(_applied), version)
+        return list(_applied)
+
+
+def applied() -> list[str]:
+    """Names of the patches applied in this process so far."""
+    return list(_applied)

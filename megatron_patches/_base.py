@@ -1,0 +1,63 @@
+"""Shared helpers of the patch modules: version ranges and marking what was replaced."""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+logger = logging.getLogger("megatron_patches")
+
+# The megatron-core releases these shims are written for. 0.17-0.19 need Python >= 3.12; the same CPU
+# checks passed on 0.19.2 by hand, CI checks 0.16.1 (the newest release for Python 3.11).
+SUPPORTED = SpecifierSet(">=0.16,<0.20")
+CHECKED_ON = ("0.16.1",)
+
+_ORIGINAL = "_hybridrl_original"
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    """megatron-core is a version the shims were not written for: refuse rather than mis-patch."""
+
+
+def check_version(version: str, supported: SpecifierSet = SUPPORTED, what: str = "megatron_patches") -> None:
+    """Raise UnsupportedMegatronVersion unless `version` lies in `supported`."""
+    try:
+        parsed = Version(version)
+    except Exception as exc:  # packaging.version.InvalidVersion
+        raise UnsupportedMegatronVersion(
+            f"{what}: cannot parse megatron-core version {version!r}; install a release in "
+            f"'megatron-core{supported}' (checked on {', '.join(CHECKED_ON)})") from exc
+    if parsed not in supported:
+        raise UnsupportedMegatronVersion(
+            f"{what}: megatron-core {version} is not supported by the CPU/gloo shims (supported: "
+            f"'megatron-core{supported}', checked on {', '.join(CHECKED_ON)}). Install a supported "
+            f"release (pip install 'megatron-core{supported}') or port and re-check megatron_patches/ "
+            f"for {version}.")
+
+
+def replace(owner: Any, name: str, new: Any) -> None:
+    """Set owner.name = new, remembering the original once (so repeated apply() never double-wraps)."""
+    old = getattr(owner, name)
+    if getattr(old, _ORIGINAL, None) is not None:
+        return  # already patched
+    # For a staticmethod/classmethod, getattr(owner, name) yields the function: mark that.
+    setattr(getattr(new, "__func__", new), _ORIGINAL, old)
+    setattr(owner, name, new)
+
+
+def is_patched(owner: Any, name: str) -> bool:
+    return getattr(getattr(owner, name, None), _ORIGINAL, None) is not None
+
+
+def original(owner: Any, name: str) -> Any:
+    """The object that `replace` swapped out (or the current one when unpatched)."""
+    current = getattr(owner, name)
+    return getattr(current, _ORIGINAL, current)
+
+
+def wraps(fn: Callable) -> Callable[[Callable], Callable]:
+    """functools.wraps that tolerates builtins."""
+    return functools.wraps(fn, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
