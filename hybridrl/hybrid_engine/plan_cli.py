@@ -1,0 +1,93 @@
+"""`hybridrl plan`: the 3D-HybridEngine plan and the per-GPU transition cost of every strategy.
+
+    hybridrl plan --model llama-70b --train-tp 8 --train-pp 8 --train-dp 2 --gen-tp 8 --gen-pp 1 [--json]
+
+Sizes come from the real parameter shapes of the model built on the meta device (no memory needed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybridrl.hybrid_engine.model_shapes import DTYPE_BYTES, LLAMA_PRESETS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help=f"preset ({', '.join(LLAMA_PRESETS)}) or a local Hugging Face config folder")
+    for role, name in (("train", "training"), ("gen", "generation")):
+        parser.add_argument(f"--{role}-tp", type=int, default=1, help=f"{name} tensor-parallel size")
+        parser.add_argument(f"--{role}-pp", type=int, default=1, help=f"{name} pipeline-parallel size")
+    parser.add_argument("--train-dp", type=int, default=1, help="training data-parallel size")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="parameter dtype")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--per-rank", action="store_true", help="also list every rank's shard and costs")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:9.3f} GiB"
+
+
+def build_report(args: argparse.Namespace) -> dict:
+    """Validate (before building anything), build the plan and account every strategy."""
+    from hybridrl.hybrid_engine.accounting import account_all
+    from hybridrl.hybrid_engine.model_shapes import model_shapes
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    train = ParallelLayout(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp)
+    gen = GenerationLayout(tp=args.gen_tp, pp=args.gen_pp)
+    check_generation_layout(train, gen)  # layout-only checks first: cheap, before the model is built
+    shapes = model_shapes(args.model)
+    plan = HybridEnginePlan(train, gen, shapes, dtype_bytes=DTYPE_BYTES[args.dtype])
+    costs = account_all(plan)
+    report = {
+        "model": args.model, "dtype": args.dtype, "model_bytes": plan.model_bytes,
+        "train": {"tp": train.tp, "pp": train.pp, "dp": train.dp},
+        "gen": {"tp": gen.tp, "pp": gen.pp, "micro_dp": plan.groups.micro_dp_size,
+                "dp": plan.groups.gen_dp_size},
+        "micro_dp_groups": plan.groups.micro_dp_groups(),
+        "gen_tp_groups": plan.groups.gen_tp_groups(),
+        "gen_pp_groups": plan.groups.gen_pp_groups(),
+        "gen_dp_groups": plan.groups.gen_dp_groups(),
+        "strategies": {name: cost.summary() for name, cost in costs.items()},
+    }
+    if args.per_rank:
+        report["ranks"] = [plan.describe_rank(r) for r in train.ranks()]
+        report["per_rank_costs"] = {name: cost.per_rank() for name, cost in costs.items()}
+    return report
+
+
+def _print_text(report: dict) -> None:
+    tr, ge = report["train"], report["gen"]
+    print(f"model {report['model']} ({report['dtype']}): M = {report['model_bytes']:,} bytes "
+          f"({report['model_bytes'] / 2**30:.2f} GiB)")
+    print(f"training p={tr['pp']} t={tr['tp']} d={tr['dp']} -> generation p_g={ge['pp']} t_g={ge['tp']} "
+          f"d_g={ge['micro_dp']} d={tr['dp']} ({ge['dp']} generation replicas)")
+    for key in ("micro_dp_groups", "gen_tp_groups", "gen_pp_groups"):
+        groups = report[key]
+        shown = " ".join(str(g) for g in groups[:16]) + (f" ... ({len(groups)} groups)" if len(groups) > 16 else "")
+        print(f"{key:16s} {shown}")
+    print(f"\n{'strategy':13s} {'recv/GPU mean':>15s} {'recv/GPU max':>15s} {'padding max':>15s} "
+          f"{'peak extra':>15s} {'redundant max':>15s}")
+    for name, s in report["strategies"].items():
+        print(f"{name:13s} {_gib(s['bytes_per_gpu_mean']):>15s} {_gib(s['bytes_per_gpu_max']):>15s} "
+              f"{_gib(s['padding_bytes_per_gpu_max']):>15s} {_gib(s['peak_extra_bytes_per_gpu']):>15s} "
+              f"{_gib(s['redundant_bytes_per_gpu_max']):>15s}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridrl.parallel.layout import LayoutError
+
+    try:
+        report = build_report(args)
+    except (LayoutError, ValueError) as exc:
+        print(f"hybridrl plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_text(report)
+    return 0
