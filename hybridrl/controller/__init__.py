@@ -1,1 +1,19 @@
+"""Single controller on Ray: resource pools, the worker base class, worker groups and dispatch modes.
 
+    pool = ResourcePool(devices=4)
+    groups = create_colocated_worker_group(pool, {"actor": ActorWorker, "ref": RefWorker},
+                                           layout=ParallelLayout(tp=2, dp=2))
+    out = groups["actor"].generate(batch)        # a @register(dispatch=Dispatch.DP_COMPUTE) method
+"""
+from hybridrl.controller.dispatch import Dispatch, MethodSpec, register
+from hybridrl.controller.ray_cluster import ensure_ray, init_local_ray, shutdown_ray
+from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
+from hybridrl.controller.worker import Worker, WorkerContext
+from hybridrl.controller.worker_group import (GroupFuture, WorkerDiedError, WorkerError, WorkerGroup,
+                                              WorkerTimeoutError, create_colocated_worker_group, wait_all)
+
+__all__ = [
+    "Dispatch", "MethodSpec", "register", "ensure_ray", "init_local_ray", "shutdown_ray", "ResourcePool",
+    "ResourcePoolError", "Worker", "WorkerContext", "GroupFuture", "WorkerDiedError", "WorkerError",
+    "WorkerGroup", "WorkerTimeoutError", "create_colocated_worker_group", "wait_all",
+]

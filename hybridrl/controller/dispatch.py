@@ -1,0 +1,119 @@
+"""@register and the dispatch modes: how a group call's arguments go out and its results come back.
+
+The data movement is declared next to the method (verl's idea); the driver then reads like
+serial code. Rank arithmetic comes from ParallelLayout only (coords, collect_ranks).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from hybridrl.parallel.layout import ParallelLayout
+from hybridrl.protocol import Batch
+
+REGISTER_ATTR = "__hybridrl_register__"
+
+
+class Dispatch(str, Enum):
+    ONE_TO_ALL = "one_to_all"  # same arguments to every rank; list of every rank's result
+    ALL_TO_ALL = "all_to_all"  # argument i (a list of world_size items) goes to rank i; list of results
+    RANK_ZERO = "rank_zero"    # only rank 0 runs; its result
+    DP_COMPUTE = "dp_compute"  # Batch args split over DP ranks; results of TP0 / last PP stage, in order
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    dispatch: Dispatch = Dispatch.ONE_TO_ALL
+    blocking: bool = True            # False: the call returns a GroupFuture
+    timeout_s: float | None = None   # None: the group's call_timeout_s
+    pad: bool = True                 # DP_COMPUTE, uneven batch: pad to a multiple of dp (else uneven chunks)
+
+
+def register(dispatch: Dispatch | str = Dispatch.ONE_TO_ALL, blocking: bool = True,
+             timeout_s: float | None = None, pad: bool = True) -> Callable:
+    """Mark a Worker method as a group call with the given dispatch mode."""
+    spec = MethodSpec(Dispatch(dispatch), blocking, timeout_s, pad)
+
+    def decorate(fn: Callable) -> Callable:
+        setattr(fn, REGISTER_ATTR, spec)
+        return fn
+
+    return decorate
+
+
+def registered_methods(cls: type) -> dict[str, MethodSpec]:
+    out = {}
+    for name in dir(cls):
+        spec = getattr(getattr(cls, name, None), REGISTER_ATTR, None)
+        if isinstance(spec, MethodSpec):
+            out[name] = spec
+    return out
+
+
+@dataclass
+class CallPlan:
+    """Per-rank arguments of one group call and how to turn the per-rank results into one value."""
+
+    rank_args: dict[int, tuple[tuple, dict]]  # only ranks that run
+    collect: Callable[[dict[int, Any]], Any]   # results of the ranks in rank_args -> the call's value
+
+
+def plan_call(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
+    world = layout.world_size
+    if spec.dispatch is Dispatch.ONE_TO_ALL:
+        return CallPlan({r: (args, kwargs) for r in range(world)}, lambda res: [res[r] for r in range(world)])
+    if spec.dispatch is Dispatch.RANK_ZERO:
+        return CallPlan({0: (args, kwargs)}, lambda res: res[0])
+    if spec.dispatch is Dispatch.ALL_TO_ALL:
+        for i, value in [*enumerate(args), *kwargs.items()]:
+            if not isinstance(value, (list, tuple)) or len(value) != world:
+                raise ValueError(f"{method}: ALL_TO_ALL argument {i!r} must be a list of {world} items "
+                                 f"(one per rank), got {type(value).__name__}"
+                                 + (f" of {len(value)}" if isinstance(value, (list, tuple)) else ""))
+        rank_args = {r: (tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world)}
+        return CallPlan(rank_args, lambda res: [res[r] for r in range(world)])
+    return _plan_dp_compute(spec, layout, method, args, kwargs)
+
+
+def _plan_dp_compute(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
+    batches = [v for v in [*args, *kwargs.values()] if isinstance(v, Batch)]
+    if not batches:
+        raise ValueError(f"{method}: DP_COMPUTE needs at least one Batch argument to split over dp={layout.dp}")
+    rows = {len(b) for b in batches}
+    if len(rows) != 1:
+        raise ValueError(f"{method}: DP_COMPUTE Batch arguments have different row counts {sorted(rows)}")
+    pad = 0
+
+    def shards(batch: Batch) -> list[Batch]:
+        nonlocal pad
+        if spec.pad:
+            batch, pad = batch.pad_to_multiple(layout.dp)
+        return batch.chunk(layout.dp)
+
+    split = {id(b): shards(b) for b in batches}
+    padded_rows = rows.pop() + pad
+    per_dp = []
+    for d in range(layout.dp):
+        shard_args = tuple(split[id(a)][d] if isinstance(a, Batch) else a for a in args)
+        shard_kwargs = {k: split[id(v)][d] if isinstance(v, Batch) else v for k, v in kwargs.items()}
+        per_dp.append((shard_args, shard_kwargs))
+    # every TP/PP rank of a DP replica gets that replica's shard (the same objects)
+    rank_args = {r: per_dp[layout.coords(r).dp] for r in range(layout.world_size)}
+    collect_ranks = layout.collect_ranks()
+
+    def collect(results: dict[int, Any]) -> Any:
+        outputs = [results[r] for r in collect_ranks]
+        if all(isinstance(o, Batch) for o in outputs):
+            merged = Batch.concat(outputs)
+            if pad:
+                if len(merged) % padded_rows:
+                    raise ValueError(f"{method}: returned {len(merged)} rows for {padded_rows} padded input rows; "
+                                     "cannot drop the padding (return a whole number of rows per input row "
+                                     "or register with pad=False)")
+                merged = merged.unpad(pad * (len(merged) // padded_rows))
+            return merged
+        return outputs
+
+    return CallPlan(rank_args, collect)

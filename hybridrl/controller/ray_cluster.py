@@ -1,0 +1,87 @@
+"""Starting or joining Ray: a loopback-only local cluster for laptops/CI, or an existing cluster.
+
+On a machine without GPUs the devices of a ResourcePool are Ray GPU resources declared here
+(`num_gpus=N` fake GPUs), so placement and CUDA_VISIBLE_DEVICES follow the same code as on a GPU
+cluster. The local cluster binds to 127.0.0.1 only and sends nothing off the machine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_OBJECT_STORE_BYTES = 512 << 20  # <= 1 GiB on small machines
+
+
+def _ray_environment() -> None:
+    # Set before ray is imported/started; each is a measured pitfall (see FACTS.md "Ray").
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # head and clients must agree on auth, else clients retry for minutes; loopback needs no token
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # single node: keep 127.0.0.1 instead of the routable address
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def worker_python_path() -> str:
+    """The driver's import path for workers, so classes defined next to the driver import there."""
+    entries = [p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p) and "site-packages" not in p
+               and not p.startswith(sys.base_prefix)]
+    existing = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(dict.fromkeys(entries + ([existing] if existing else [])))
+
+
+def init_local_ray(num_devices: int, num_cpus: int | None = None,
+                   object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES, log_to_driver: bool = True) -> dict:
+    """Start a private single-node Ray on loopback with `num_devices` GPU resources.
+
+    Returns ray.cluster_resources(). Refuses to start a second one in the same driver.
+    """
+    if num_devices < 1:
+        raise ValueError(f"init_local_ray: num_devices must be >= 1, got {num_devices}")
+    if object_store_bytes > 1 << 30:
+        raise ValueError("init_local_ray: object_store_bytes above 1 GiB does not fit a small machine; lower it")
+    _ray_environment()
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError("Ray is already initialised in this driver; use ensure_ray() to reuse it")
+    ray.init(address="local", num_gpus=num_devices, num_cpus=num_cpus or os.cpu_count() or 1,
+             include_dashboard=False, object_store_memory=object_store_bytes, _node_ip_address=LOOPBACK,
+             log_to_driver=log_to_driver, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": worker_python_path(), "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+    resources = ray.cluster_resources()
+    logger.info("local Ray up on %s: %s", LOOPBACK, resources)
+    return resources
+
+
+def ensure_ray(num_devices: int | None = None, address: str | None = None, **local_kwargs) -> dict:
+    """Reuse a running Ray in this driver, join `address`, or start a local one with num_devices.
+
+    With an existing Ray, checks that it declares at least `num_devices` GPUs (real or fake).
+    """
+    _ray_environment()
+    import ray
+
+    if not ray.is_initialized():
+        if address is not None:
+            ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": worker_python_path()}})
+        else:
+            if num_devices is None:
+                raise ValueError("ensure_ray: give num_devices (local cluster) or address (existing cluster)")
+            return init_local_ray(num_devices, **local_kwargs)
+    resources = ray.cluster_resources()
+    if num_devices is not None and resources.get("GPU", 0) < num_devices:
+        raise RuntimeError(f"Ray has {resources.get('GPU', 0):g} GPUs but {num_devices} devices were asked for; "
+                           "start Ray with more (init_local_ray(num_devices)) or use fewer devices")
+    return resources
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

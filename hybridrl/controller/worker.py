@@ -1,0 +1,194 @@
+"""Worker base class (what a role sees) and the per-device host process that holds the roles.
+
+A WorkerHost is one Ray actor per device of a ResourcePool. It joins the pool's process group
+once (gloo on CPU, nccl on GPU; rank 0 publishes the rendezvous port) and builds Megatron's
+parallel state for the pool's layout. Every role created on the pool (actor, ref, critic, reward)
+is a Worker object inside these hosts, so colocated roles share the process, the device and the
+process group, as in HybridFlow.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from hybridrl.parallel.layout import ParallelLayout, RankCoords
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where one worker sits: its pool, rank, node-local rank and parallel layout."""
+
+    role: str
+    pool: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    layout: ParallelLayout
+    master_addr: str
+    master_port: int
+
+
+class Worker:
+    """Base class of role workers. Subclass it and decorate methods with @register.
+
+    The host binds the context before the subclass's __init__ runs, so __init__ may already use
+    self.rank, self.layout, self.device and the Megatron parallel state.
+    """
+
+    _context: WorkerContext
+
+    def _bind(self, context: WorkerContext) -> None:
+        self._context = context
+
+    @property
+    def context(self) -> WorkerContext:
+        return self._context
+
+    @property
+    def role(self) -> str:
+        return self._context.role
+
+    @property
+    def rank(self) -> int:
+        return self._context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._context.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._context.local_rank
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self._context.layout
+
+    @property
+    def coords(self) -> RankCoords:
+        return self._context.layout.coords(self._context.rank)
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """True on the rank whose output the driver collects for this DP shard."""
+        return self._context.layout.is_collect_rank(self._context.rank)
+
+    @property
+    def device(self):
+        from hybridrl.parallel.distributed import device
+
+        return device()
+
+
+@dataclass
+class RemoteFailure:
+    """An exception raised inside a worker, carried back as data (so it never hides behind Ray's wrapping)."""
+
+    role: str
+    rank: int
+    method: str
+    exc_type: str
+    message: str
+    traceback: str
+
+
+def cpu_threads_per_worker(local_world_size: int) -> int:
+    """Intra-op threads for one CPU worker: this node's cores shared by its workers (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size))
+
+
+class WorkerHost:
+    """Body of the per-device Ray actor (made remote by the WorkerGroup with placement options)."""
+
+    def __init__(self, pool: str, rank: int, world_size: int, local_rank: int, local_world_size: int) -> None:
+        self.pool, self.rank, self.world_size = pool, rank, world_size
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                          LOCAL_WORLD_SIZE=str(local_world_size))
+        import torch
+
+        if not torch.cuda.is_available():
+            # On CPU, N workers per node must not each spawn one thread per core (2 cores, 4 ranks).
+            threads = cpu_threads_per_worker(local_world_size)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)
+        self.roles: dict[str, Worker] = {}
+        self.layout: ParallelLayout | None = None
+        self.master: tuple[str, int] | None = None
+
+    def info(self) -> dict:
+        import ray
+        import torch
+
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "rank": self.rank,
+                "local_rank": self.local_rank, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "threads": torch.get_num_threads(),
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    def publish_master_address(self) -> tuple[str, int]:
+        """Rank 0 picks a free port on its own node address for the process-group rendezvous."""
+        import ray
+
+        from hybridrl.parallel.distributed import free_port
+
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
+
+    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> int:
+        from hybridrl.parallel.distributed import init_distributed
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s)
+        self.master = (master_addr, master_port)
+        return self.rank
+
+    def init_model_parallel(self, layout: ParallelLayout, seed: int) -> None:
+        """Build Megatron's parallel state for `layout` (once per process; colocated roles share it)."""
+        from hybridrl.parallel.distributed import initialize_model_parallel
+
+        if self.layout == layout:
+            return
+        if self.layout is not None and self.roles:
+            raise RuntimeError(f"this process already holds Megatron parallel state for {self.layout.describe()}; "
+                               f"colocated roles must share one layout (got {layout.describe()})")
+        initialize_model_parallel(layout, seed=seed)
+        self.layout = layout
+
+    def add_role(self, role: str, cls_bytes: bytes, layout: ParallelLayout, args: tuple, kwargs: dict):
+        """Create the role's Worker object in this process; returns None or a RemoteFailure."""
+        import cloudpickle
+
+        try:
+            cls = cloudpickle.loads(cls_bytes)
+            worker = cls.__new__(cls)
+            worker._bind(WorkerContext(role, self.pool, self.rank, self.world_size, self.local_rank,
+                                       self.local_world_size, layout, *self.master))
+            worker.__init__(*args, **kwargs)
+            self.roles[role] = worker
+        except BaseException as exc:  # noqa: BLE001 - reported to the driver with rank and traceback
+            return self._failure(role, "__init__", exc)
+        return None
+
+    def remove_role(self, role: str) -> None:
+        """Drop a role's Worker object; with no roles left, a new role may bring another layout."""
+        self.roles.pop(role, None)
+        if not self.roles:
+            self.layout = None  # Megatron state stays until the next init_model_parallel rebuilds it
+
+    def call(self, hybridrl_role: str, hybridrl_method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run role.method(*args); Ray resolves top-level ObjectRef args (shared shards) before this runs."""
+        try:
+            return getattr(self.roles[hybridrl_role], hybridrl_method)(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to the driver with rank and traceback
+            return self._failure(hybridrl_role, hybridrl_method, exc)
+
+    def _failure(self, role: str, method: str, exc: BaseException) -> RemoteFailure:
+        logger.error("role %s rank %d: %s raised %s: %s", role, self.rank, method, type(exc).__name__, exc)
+        return RemoteFailure(role, self.rank, method, type(exc).__name__, str(exc), traceback.format_exc())

@@ -1,0 +1,304 @@
+"""WorkerGroup: a role (actor, ref, critic, reward, ...) on a ResourcePool, called like one object.
+
+Each @register-ed method of the role's Worker class becomes a group method: calling it dispatches
+the arguments to the ranks (see dispatch.py), and either waits for the collected result
+(blocking) or returns a GroupFuture. `.remote(...)` always returns a future, so calls on
+different pools overlap and the driver waits on them together (`wait_all`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from hybridrl.controller.dispatch import CallPlan, Dispatch, MethodSpec, plan_call, registered_methods
+from hybridrl.controller.resource_pool import ResourcePool
+from hybridrl.controller.worker import RemoteFailure, Worker, WorkerHost
+from hybridrl.parallel.layout import ParallelLayout
+from hybridrl.protocol import Batch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CALL_TIMEOUT_S = 3600.0
+DEFAULT_START_TIMEOUT_S = 300.0
+_POLL_S = 0.5  # how often a waiting driver checks for a failed rank while others still run
+
+
+class WorkerError(RuntimeError):
+    """An exception inside a worker: names the role, rank and method and carries the remote traceback."""
+
+    def __init__(self, role: str, rank: int | None, method: str, cause: str, remote_traceback: str = "") -> None:
+        self.role, self.rank, self.method, self.cause = role, rank, method, cause
+        self.remote_traceback = remote_traceback
+        where = f"role {role!r} rank {rank}" if rank is not None else f"role {role!r}"
+        text = f"{where}: {method} failed: {cause}"
+        super().__init__(text + (f"\n--- remote traceback (rank {rank}) ---\n{remote_traceback}" if remote_traceback else ""))
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process died (killed, OOM, crashed) during or before the call."""
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """A call did not finish within its timeout (ranks still pending are in .rank / the message)."""
+
+
+def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method: str, wait_s: float) -> bool:
+    """Wait up to wait_s for the ranks not yet in `results`; store what finished. Raises at the FIRST
+    failed or dead rank instead of waiting for the others (which may hang in a collective with it).
+    Returns True when every rank has a result."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    pending = {ref: rank for rank, ref in refs.items() if rank not in results}
+    if not pending:
+        return True
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+    for ref in ready:
+        rank = pending.pop(ref)
+        try:
+            value = ray.get(ref, timeout=60)
+        except RayActorError as exc:
+            raise WorkerDiedError(role, rank, method, f"worker process died: {exc}") from exc
+        except RayTaskError as exc:  # the host itself failed (not the role's code)
+            raise WorkerError(role, rank, method, str(exc).splitlines()[0], str(exc)) from exc
+        except GetTimeoutError as exc:
+            raise WorkerTimeoutError(role, rank, method, f"result of rank {rank} could not be fetched") from exc
+        if isinstance(value, RemoteFailure):
+            raise WorkerError(value.role, value.rank, value.method, f"{value.exc_type}: {value.message}",
+                              value.traceback)
+        results[rank] = value
+    return not pending
+
+
+def _raise_timeout(refs: dict[int, Any], results: dict[int, Any], role: str, method: str, timeout_s: float):
+    ranks = sorted(set(refs) - set(results))
+    raise WorkerTimeoutError(role, ranks[0], method, f"ranks {ranks} did not finish within {timeout_s:g}s "
+                             "(raise call_timeout_s / the method's timeout_s if that is expected)")
+
+
+def _wait_ranks(refs: dict[int, Any], role: str, method: str, timeout_s: float | None,
+                results: dict[int, Any] | None = None) -> dict[int, Any]:
+    """All ranks' results (rank -> value), failing fast on an error, a dead worker or the timeout."""
+    results = {} if results is None else results
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            _raise_timeout(refs, results, role, method, timeout_s)
+        if _poll_ranks(refs, results, role, method, _POLL_S if remaining is None else min(_POLL_S, remaining)):
+            return results
+
+
+class GroupFuture:
+    """The pending result of one group call; `result()` waits, collects and caches it."""
+
+    def __init__(self, role: str, method: str, refs: dict[int, Any], collect: Callable[[dict[int, Any]], Any],
+                 timeout_s: float | None) -> None:
+        self.role, self.method, self.refs, self._collect, self.timeout_s = role, method, refs, collect, timeout_s
+        self._results: dict[int, Any] = {}
+        self._done = False
+        self._value: Any = None
+        self._started = time.monotonic()
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        if not self._done:
+            _wait_ranks(self.refs, self.role, self.method, timeout_s or self.timeout_s, self._results)
+            self._finish()
+        return self._value
+
+    def _finish(self) -> None:
+        self._value, self._done = self._collect(self._results), True
+
+    def done(self) -> bool:
+        """True when every rank has finished (failures raise here too)."""
+        if not self._done and _poll_ranks(self.refs, self._results, self.role, self.method, 0):
+            self._finish()
+        return self._done
+
+    def __repr__(self) -> str:
+        return f"GroupFuture({self.role}.{self.method}, ranks={sorted(self.refs)})"
+
+
+def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list[Any]:
+    """Results of several futures (e.g. on different pools) waited on together; any failure raises at once.
+
+    Each future also keeps its own timeout (the call's timeout_s), counted from its submission."""
+    import ray
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        pending = [f for f in futures if not f.done()]
+        if not pending:
+            return [f.result() for f in futures]
+        now = time.monotonic()
+        for future in pending:
+            if future.timeout_s is not None and now - future._started > future.timeout_s:
+                _raise_timeout(future.refs, future._results, future.role, future.method, future.timeout_s)
+        if deadline is not None and now > deadline:
+            raise WorkerTimeoutError(pending[0].role, None, "wait_all", f"{pending} not done within {timeout_s:g}s")
+        refs = [ref for f in pending for rank, ref in f.refs.items() if rank not in f._results]
+        ray.wait(refs, num_returns=len(refs), timeout=_POLL_S)
+
+
+class _PoolHosts:
+    """The per-device host actors of one pool, joined in one process group (created on first use)."""
+
+    def __init__(self, pool: ResourcePool, start_timeout_s: float, process_group_timeout_s: float) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.pool = pool
+        host_cls = ray.remote(WorkerHost)
+        self.actors = []
+        for rank, (group, bundle, local_rank) in enumerate(pool.bundles()):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+            self.actors.append(host_cls.options(num_cpus=0, num_gpus=1, scheduling_strategy=strategy,
+                                                max_restarts=0, name=None).remote(
+                pool.name, rank, pool.world_size, local_rank, pool.devices_per_node))
+        what = f"pool {pool.name!r} start"
+        self.info = _wait_ranks({r: a.info.remote() for r, a in enumerate(self.actors)}, pool.name, what, start_timeout_s)
+        address, port = _wait_ranks({0: self.actors[0].publish_master_address.remote()}, pool.name, what,
+                                    start_timeout_s)[0]
+        _wait_ranks({r: a.init_process_group.remote(address, port, process_group_timeout_s)
+                     for r, a in enumerate(self.actors)}, pool.name, "init_process_group", start_timeout_s)
+        self.master = (address, port)
+        self.layout: ParallelLayout | None = None
+        self.roles: set[str] = set()
+        logger.info("pool %r: %d workers in one %s:%d process group", pool.name, len(self.actors), address, port)
+
+    def kill(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+class WorkerGroup:
+    """One role on a pool: a Worker object on every device, its @register methods as group calls.
+
+    Roles on the same pool share its host processes (devices, process group, Megatron state), so
+    they must share one layout. The layout defaults to pure data parallelism over the pool.
+    """
+
+    def __init__(self, pool: ResourcePool, worker_cls: type[Worker], layout: ParallelLayout | None = None,
+                 role: str | None = None, init_args: tuple = (), init_kwargs: dict | None = None,
+                 call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S, init_megatron: bool = True,
+                 seed: int = 1234, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 process_group_timeout_s: float = 600.0) -> None:
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"WorkerGroup: worker_cls must subclass hybridrl.controller.Worker, got {worker_cls!r}")
+        layout = layout or ParallelLayout(dp=pool.world_size)
+        layout.check_world_size(pool.world_size)
+        role = role or worker_cls.__name__
+        hosts = pool._hosts
+        if hosts is not None:
+            if role in hosts.roles:
+                raise ValueError(f"pool {pool.name!r} already has a role named {role!r}; pass role=<another name>")
+            if init_megatron and hosts.layout is not None and hosts.layout != layout:
+                raise ValueError(f"role {role!r}: pool {pool.name!r} holds Megatron state for layout "
+                                 f"({hosts.layout.describe()}), not ({layout.describe()}); colocated roles share "
+                                 "one layout: use the same layout or put this role on its own ResourcePool")
+        self.methods = registered_methods(worker_cls)
+        clash = [name for name in self.methods if hasattr(WorkerGroup, name)]
+        if clash:
+            raise ValueError(f"{worker_cls.__name__}: registered method(s) {clash} clash with WorkerGroup attributes; rename them")
+        self.pool, self.layout, self.role, self.call_timeout_s = pool, layout, role, call_timeout_s
+        if hosts is None:
+            hosts = pool._hosts = _PoolHosts(pool, start_timeout_s, process_group_timeout_s)
+        self._hosts = hosts
+        actors = hosts.actors
+        if init_megatron and hosts.layout is None:
+            _wait_ranks({r: a.init_model_parallel.remote(layout, seed) for r, a in enumerate(actors)}, role,
+                        "init_model_parallel", start_timeout_s)
+            hosts.layout = layout
+        cls_bytes = cloudpickle.dumps(worker_cls)
+        _wait_ranks({r: a.add_role.remote(role, cls_bytes, layout, tuple(init_args), dict(init_kwargs or {}))
+                     for r, a in enumerate(actors)}, role, "__init__", start_timeout_s)
+        hosts.roles.add(role)
+        for name, spec in self.methods.items():
+            setattr(self, name, GroupMethod(self, name, spec))
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def worker_info(self) -> list[dict]:
+        """Per rank: pid, node ip, CUDA_VISIBLE_DEVICES, Ray GPU ids, thread count."""
+        return [self._hosts.info[rank] for rank in range(len(self._hosts.info))]
+
+    def close(self) -> None:
+        """Remove this role from the pool's processes (the processes and process group stay for other roles)."""
+        hosts = self._hosts
+        if self.role in hosts.roles and hosts.actors:
+            _wait_ranks({r: a.remove_role.remote(self.role) for r, a in enumerate(hosts.actors)}, self.role,
+                        "close", self.call_timeout_s)
+            hosts.roles.discard(self.role)
+            if not hosts.roles:
+                hosts.layout = None
+
+    def call(self, method: str, *args: Any, dispatch: Dispatch | str = Dispatch.ONE_TO_ALL,
+             timeout_s: float | None = None, **kwargs: Any) -> GroupFuture:
+        """Call any worker method with an explicit dispatch mode; returns a future."""
+        return self._submit(method, MethodSpec(Dispatch(dispatch), False, timeout_s), args, kwargs)
+
+    def _submit(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> GroupFuture:
+        import ray
+
+        if self.role not in self._hosts.roles:
+            raise WorkerError(self.role, None, method, "this WorkerGroup was closed")
+        if not self._hosts.actors:
+            raise WorkerDiedError(self.role, None, method, f"pool {self.pool.name!r} was shut down")
+        plan: CallPlan = plan_call(spec, self.layout, f"{self.role}.{method}", args, kwargs)
+        # Put each distinct payload once: ranks that get the same shard read one object-store copy.
+        stored: dict[int, Any] = {}
+
+        def stored_ref(value: Any) -> Any:
+            if isinstance(value, Batch):
+                if id(value) not in stored:
+                    stored[id(value)] = ray.put(value)
+                return stored[id(value)]
+            return value
+
+        refs = {}
+        for rank, (rank_args, rank_kwargs) in plan.rank_args.items():
+            refs[rank] = self._hosts.actors[rank].call.remote(
+                self.role, method, *[stored_ref(a) for a in rank_args],
+                **{k: stored_ref(v) for k, v in rank_kwargs.items()})
+        return GroupFuture(self.role, method, refs, plan.collect, spec.timeout_s or self.call_timeout_s)
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup(role={self.role!r}, pool={self.pool.name!r}, layout=({self.layout.describe()}))"
+
+
+class GroupMethod:
+    """A registered worker method seen from the driver. Call it, or `.remote(...)` for a future."""
+
+    def __init__(self, group: WorkerGroup, name: str, spec: MethodSpec) -> None:
+        self.group, self.name, self.spec = group, name, spec
+
+    def remote(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        return self.group._submit(self.name, self.spec, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        future = self.remote(*args, **kwargs)
+        return future.result() if self.spec.blocking else future
+
+
+def create_colocated_worker_group(pool: ResourcePool, roles: dict[str, type[Worker] | tuple],
+                                  layout: ParallelLayout | None = None, **group_kwargs: Any) -> dict[str, WorkerGroup]:
+    """Several roles in the same processes of one pool (HybridFlow's default placement).
+
+    roles maps a name to a Worker class or (class, init_args[, init_kwargs]). Returns one group per role.
+    """
+    groups = {}
+    for name, spec in roles.items():
+        cls, init_args, init_kwargs = (spec, (), {}) if isinstance(spec, type) else (*spec, {})[:3]
+        groups[name] = WorkerGroup(pool, cls, layout=layout, role=name, init_args=init_args,
+                                   init_kwargs=init_kwargs, **group_kwargs)
+    return groups
