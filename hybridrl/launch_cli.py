@@ -1,0 +1,230 @@
+"""`hybridrl submit`: render launch/slurm/hybridrl.sbatch for a multi-node run and submit it.
+
+    hybridrl submit CONFIG --nodes N --gpus-per-node G [--partition P --time T ...] [key=value ...]
+    hybridrl submit --command "python -m hybridrl.launch.cluster_check" --nodes 2 --gpus-per-node 0
+    hybridrl submit CONFIG --nodes 2 --gpus-per-node 8 --dry-run      # print the script only
+
+The request is checked against the cluster (partition exists and is up, has enough nodes, the nodes
+have the GPUs) before anything is submitted, so an impossible job fails here with a message naming
+the option, not hours later in the queue.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from hybridrl.launch.slurm_query import SlurmRequestError, check_request, job_state
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TEMPLATE = REPO_ROOT / "launch" / "slurm" / "hybridrl.sbatch"
+TIME_FORMAT = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}"
+                         r"|UNLIMITED|INFINITE)$")
+PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "UNKNOWN",
+                   "BOOT_FAIL", "DEADLINE"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="training YAML config (for the default `hybridrl train`)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the trainer")
+    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (0: CPU-only nodes)")
+    parser.add_argument("--partition", help="Slurm partition (default: the cluster's default partition)")
+    parser.add_argument("--time", help="time limit, Slurm format (e.g. 4:00:00 or 2-00:00:00)")
+    parser.add_argument("--job-name", default="hybridrl")
+    parser.add_argument("--run-dir", help="shared directory for the job's logs, metrics and checkpoints "
+                        "(default: runs/<job-name>-<timestamp>)")
+    parser.add_argument("--cpus-per-task", type=int, help="CPUs per node for the job (default: Slurm's)")
+    parser.add_argument("--mem", help="memory per node, Slurm format (e.g. 500G)")
+    parser.add_argument("--exclusive", action="store_true", help="whole nodes only")
+    parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                        help="extra #SBATCH line, e.g. --sbatch-arg=--account=abc (repeatable)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment variable for the job (repeatable)")
+    parser.add_argument("--command", help="run this shell command instead of `hybridrl train CONFIG ...` "
+                        "(e.g. the cluster check: python -m hybridrl.launch.cluster_check)")
+    parser.add_argument("--no-requeue", dest="requeue", action="store_false",
+                        help="do not requeue on preemption or near the time limit (default: requeue, and "
+                        "the trainer gets trainer.resume=auto so it resumes from the latest checkpoint)")
+    parser.add_argument("--signal-lead", type=int, default=180, metavar="SECONDS",
+                        help="with --time: this long before the limit, stop, checkpoint and requeue")
+    parser.add_argument("--ip-mode", default="auto",
+                        help="node address: auto | iface:NAME (e.g. iface:ib0) | loopback (all nodes on "
+                        "one host: the local test cluster)")
+    parser.add_argument("--ray-port-base", type=int, help="first Ray port (default: derived from the job id)")
+    parser.add_argument("--ray-join-timeout", type=int, default=300,
+                        help="seconds for the Ray head to come up and every node to join")
+    parser.add_argument("--ray-object-store-mb", type=int, help="Ray object store per node (default: Ray's)")
+    parser.add_argument("--ray-tmp-root", default="/tmp", help="node-local dir for Ray's temp dirs")
+    parser.add_argument("--python", default=sys.executable, help="Python on the compute nodes")
+    parser.add_argument("--template", default=str(DEFAULT_TEMPLATE), help="sbatch template to render")
+    parser.add_argument("--dry-run", action="store_true", help="print the rendered script, submit nothing")
+    parser.add_argument("--wait", action="store_true",
+                        help="wait for the job to finish; exit with its exit code")
+    parser.add_argument("--wait-timeout", type=float, help="with --wait: give up waiting after this many seconds")
+
+
+def _fail(message: str) -> int:
+    print(f"hybridrl submit: error: {message}", file=sys.stderr)
+    return 2
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Checks that need no cluster; returns the command to run."""
+    if args.nodes < 1:
+        raise SlurmRequestError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.gpus_per_node < 0:
+        raise SlurmRequestError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
+    if args.time and not TIME_FORMAT.match(args.time):
+        raise SlurmRequestError(f"--time {args.time!r} is not a Slurm time (use MINUTES, HH:MM:SS or D-HH:MM:SS)")
+    for item in args.env:
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", item):
+            raise SlurmRequestError(f"--env {item!r} must look like KEY=VALUE")
+    if args.ip_mode not in ("auto", "loopback") and not args.ip_mode.startswith("iface:") \
+            and not re.match(r"^\d+\.\d+\.\d+\.\d+$", args.ip_mode):
+        raise SlurmRequestError(f"--ip-mode must be auto, loopback or iface:NAME, got {args.ip_mode!r}")
+    if args.ip_mode == "loopback" and args.ray_port_base is None and args.nodes > 30:
+        raise SlurmRequestError("--ip-mode loopback supports at most 30 nodes")
+    if args.ray_port_base is not None and not 1024 <= args.ray_port_base <= 65535 - 400 * args.nodes:
+        raise SlurmRequestError(f"--ray-port-base {args.ray_port_base} leaves no room for 400 ports per node")
+    if args.ray_object_store_mb is not None and args.ray_object_store_mb < 80:
+        raise SlurmRequestError("--ray-object-store-mb must be >= 80 (Ray's minimum)")
+    if not Path(args.template).is_file():
+        raise SlurmRequestError(f"--template {args.template} does not exist")
+    if args.command:
+        if args.config or args.overrides:
+            raise SlurmRequestError("--command replaces `hybridrl train CONFIG ...`: drop CONFIG and overrides "
+                                    "or put them into --command")
+        command = shlex.split(args.command)
+        if not command:
+            raise SlurmRequestError("--command is empty")
+        return command
+    if not args.config:
+        raise SlurmRequestError("give a training CONFIG (YAML) or --command")
+    if not Path(args.config).is_file():
+        raise SlurmRequestError(f"config {args.config} does not exist")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise SlurmRequestError(f"overrides must be key=value, got {bad}")
+    overrides = list(args.overrides)
+    if args.requeue and not any(o.startswith("trainer.resume=") for o in overrides):
+        overrides.append("trainer.resume=auto")  # a requeued run continues from its latest checkpoint
+    return [args.python, "-m", "hybridrl.cli", "train", str(Path(args.config).resolve()), *overrides]
+
+
+def sbatch_directives(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    lines = [f"--job-name={args.job_name}", f"--nodes={args.nodes}", "--ntasks-per-node=1",
+             f"--output={run_dir}/slurm-%j.out", "--open-mode=append"]
+    if args.gpus_per_node:
+        lines.append(f"--gpus-per-node={args.gpus_per_node}")
+    if args.cpus_per_task:
+        lines.append(f"--cpus-per-task={args.cpus_per_task}")
+    if args.mem:
+        lines.append(f"--mem={args.mem}")
+    if args.partition:
+        lines.append(f"--partition={args.partition}")
+    if args.time:
+        lines.append(f"--time={args.time}")
+    if args.exclusive:
+        lines.append("--exclusive")
+    if args.requeue:
+        lines.append("--requeue")
+        if args.time:
+            lines.append(f"--signal=B:USR1@{args.signal_lead}")
+    else:
+        lines.append("--no-requeue")
+    lines += args.sbatch_arg
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def render(template: str, values: dict[str, str]) -> str:
+    """Fill every {{name}}; a placeholder without a value is an error, not an empty string."""
+    missing = sorted({m.group(1) for m in PLACEHOLDER.finditer(template)} - set(values))
+    if missing:
+        raise SlurmRequestError(f"template placeholders without a value: {missing}")
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def render_script(args: argparse.Namespace, command: list[str], run_dir: Path) -> str:
+    template = Path(args.template).read_text()
+    # only in the header comment: keep the literal {{...}} text of that comment
+    template = template.replace("({{placeholders}} filled in)", "(placeholders filled in)")
+    env_exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, _, v in (e.partition("=") for e in args.env))
+    values = {
+        "sbatch_directives": "\n".join(sbatch_directives(args, run_dir)),
+        "python": shlex.quote(args.python),
+        "run_dir": shlex.quote(str(run_dir)),
+        "repo_root": shlex.quote(str(REPO_ROOT)),
+        "ip_mode": shlex.quote(args.ip_mode),
+        "gpus_per_node": str(args.gpus_per_node),
+        "join_timeout": str(args.ray_join_timeout),
+        "port_base": "" if args.ray_port_base is None else str(args.ray_port_base),
+        "object_store_bytes": "" if args.ray_object_store_mb is None else str(args.ray_object_store_mb << 20),
+        "ray_tmp_root": shlex.quote(args.ray_tmp_root),
+        "requeue": "1" if args.requeue else "0",
+        "command": " ".join(shlex.quote(c) for c in command),
+        "env_exports": env_exports,
+    }
+    return render(template, values)
+
+
+def wait_for_job(job_id: str, run_dir: Path, timeout_s: float | None) -> int:
+    """Poll the controller (faster than `sbatch --wait`'s 10 s) until the job ends; its exit code."""
+    start = time.monotonic()
+    state, exit_code = "PENDING", "0:0"
+    while timeout_s is None or time.monotonic() - start < timeout_s:
+        state, exit_code = job_state(job_id)
+        if state in TERMINAL_STATES:
+            break
+        time.sleep(1.0)
+    else:
+        print(f"job {job_id} still {state} after {timeout_s:.0f} s; not cancelled", file=sys.stderr)
+        return 124
+    code, _, sig = exit_code.partition(":")
+    rc = int(code) if code.isdigit() else 1
+    if state != "COMPLETED":
+        rc = rc or 1
+        log = run_dir / f"slurm-{job_id}.out"
+        tail = log.read_text(errors="replace").splitlines()[-25:] if log.is_file() else ["(no job log)"]
+        print(f"job {job_id} {state} (exit {exit_code}); end of {log}:\n" + "\n".join(tail), file=sys.stderr)
+    else:
+        print(f"job {job_id} COMPLETED")
+    return rc
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        command = validate(args)
+        run_dir = Path(args.run_dir or f"runs/{args.job_name}-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+        script = render_script(args, command, run_dir)
+        if args.dry_run:
+            print(script, end="")
+            return 0
+        if shutil.which("sbatch") is None:
+            raise SlurmRequestError("sbatch not found: submit from a Slurm login node (or use --dry-run)")
+        partition = check_request(args.partition, args.nodes, args.gpus_per_node)
+    except SlurmRequestError as exc:
+        return _fail(str(exc))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    script_path = run_dir / "job.sbatch"
+    script_path.write_text(script)
+    proc = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return _fail(f"sbatch refused the job (partition {partition}): {proc.stderr.strip()}")
+    job_id = proc.stdout.strip().split(";")[0]
+    print(f"submitted job {job_id} to partition {partition}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s); "
+          f"run dir {run_dir}; log {run_dir}/slurm-{job_id}.out")
+    (run_dir / "job_id").write_text(job_id + "\n")
+    if args.wait:
+        return wait_for_job(job_id, run_dir, args.wait_timeout)
+    return 0
