@@ -261,3 +261,23 @@ def test_llama_preset_shapes_and_plan():
     hybrid = account(plan, "hybrid")
     assert hybrid.mean("recv_payload") == table2("hybrid", hybrid_effective_bytes(plan), plan.train, plan.gen)["comm"]
     assert set(STRATEGIES) == set(account_all(plan))
+
+
+def test_cost_model_hand_computed():
+    from hybridrl.hybrid_engine.cost_model import Hardware, groups_crossing_nodes, transition_time
+
+    hw = Hardware(gpus_per_node=8, nvlink_GBps=600.0, inter_node_Gbps=200.0)
+    # t=8, p=2 on 2 nodes (node = pp stage) -> t_g=8, p_g=1: micro-DP groups [r, r+8] cross nodes
+    plan = HybridEnginePlan(ParallelLayout(tp=8, pp=2), GenerationLayout(tp=8), _synthetic(num_layers=2), 2)
+    slot = plan.model_bytes // 16  # every tensor partitioned, equal stages
+    hybrid = transition_time(plan, "hybrid", hw)
+    assert (hybrid.groups, hybrid.groups_crossing_nodes) == (8, 8)
+    assert (hybrid.intra_node_bytes, hybrid.inter_node_bytes) == (0, slot)
+    assert hybrid.seconds == pytest.approx(slot / (25e9 / 8), rel=1e-12)  # 8 GPUs share the node's link
+    hfv = transition_time(plan, "hybridflow_v", hw)  # one group of 16: 7 slots over NVLink, 8 across
+    assert (hfv.intra_node_bytes, hfv.inter_node_bytes) == (7 * slot, 8 * slot)
+    assert hfv.seconds == pytest.approx(7 * slot / 600e9 + 8 * slot / (25e9 / 8), rel=1e-12)
+    assert groups_crossing_nodes(plan.groups.gen_tp_groups(), hw) == 0
+    one_node = HybridEnginePlan(ParallelLayout(tp=8), GenerationLayout(tp=2), _synthetic(num_layers=2), 2)
+    t = transition_time(one_node, "hybrid", hw)
+    assert t.groups_crossing_nodes == 0 and t.seconds == pytest.approx(3 * one_node.model_bytes / 8 / 600e9)
