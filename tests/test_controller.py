@@ -14,6 +14,8 @@ from hybridrl.controller import (Dispatch, ResourcePool, ResourcePoolError, Work
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
 from hybridrl.protocol import Batch
 
+pytestmark = pytest.mark.slow  # one Ray start + 3 pool starts: ~1 min on an idle 2-core machine
+
 LAYOUTS = [ParallelLayout(tp=2, pp=1, dp=2), ParallelLayout(tp=1, pp=2, dp=2), ParallelLayout(tp=2, pp=2, dp=1)]
 
 
