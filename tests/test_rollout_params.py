@@ -8,7 +8,7 @@ import torch
 from hybridrl.rollout import SamplingParams, SamplingParamsError, build_rollout_engine, check_engine_config
 from hybridrl.rollout import sampling_params_from_config
 from hybridrl.rollout.base import GeneratedSequence, assemble_batch, validate_prompts
-from hybridrl.rollout.sampling import filter_top_k_top_p, sample_tokens, sampling_log_probs
+from hybridrl.rollout.sampling import filter_top_k_top_p, row_uniforms, sample_tokens, sampling_log_probs
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -68,12 +68,31 @@ def test_sampling_log_probs_are_those_of_the_sampling_distribution():
     hot = SamplingParams(temperature=0.5, top_k=3)
     expected = torch.log_softmax(filter_top_k_top_p(logits / 0.5, 3, 1.0), -1)
     assert torch.allclose(sampling_log_probs(logits, hot), expected)
-    gen = torch.Generator().manual_seed(7)
-    tokens, lp = sample_tokens(logits, hot, gen)
+    uniforms = row_uniforms(7, 4, 1)[:, 0]
+    tokens, lp = sample_tokens(logits, hot, uniforms)
     assert torch.allclose(lp, expected.gather(-1, tokens[:, None])[:, 0])
     assert torch.isfinite(lp).all()  # only tokens inside the top-k are ever drawn
-    again, _ = sample_tokens(logits, hot, torch.Generator().manual_seed(7))
-    assert torch.equal(tokens, again)
+    # inverse CDF: the token is the first whose cumulative probability exceeds the uniform
+    cdf = expected.exp().double().cumsum(-1)
+    for row in range(4):
+        token = int(tokens[row])
+        assert cdf[row, token] > uniforms[row] * cdf[row, -1] >= (cdf[row, token - 1] if token else 0)
+
+
+def test_row_uniforms_depend_only_on_seed_and_row():
+    full = row_uniforms(3, 5, 4)
+    assert torch.equal(full[2:], row_uniforms(5, 3, 4))  # row r of seed s == row r-2 of seed s+2
+    assert torch.equal(full, row_uniforms(3, 5, 4)) and not torch.equal(full, row_uniforms(4, 5, 4))
+    assert ((full >= 0) & (full < 1)).all()
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -50.0]]).repeat(4000, 1)
+    params = SamplingParams(temperature=1.0)
+    tokens, _ = sample_tokens(logits, params, row_uniforms(0, 4000, 1)[:, 0])
+    freq = torch.bincount(tokens, minlength=4).double() / 4000
+    assert torch.allclose(freq, logits[0].softmax(-1).double(), atol=0.03)
+    assert freq[3] == 0
 
 
 def test_assemble_batch_layout():

@@ -24,7 +24,7 @@ import torch
 
 from hybridrl.rollout.base import (GeneratedSequence, Prompts, RolloutEngine, SamplingParams, assemble_batch,
                                    finish_reason, normalise_prompts, validate_prompts)
-from hybridrl.rollout.sampling import sample_tokens
+from hybridrl.rollout.sampling import row_uniforms, sample_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class NativeRolloutEngine(RolloutEngine):
         """The seed every rank of the generation TP group samples with (drawn once when not given)."""
         if seed is not None:
             return int(seed)
-        drawn = torch.randint(0, 2**62, (1,), dtype=torch.long)
+        drawn = torch.randint(0, 2**31, (1,), dtype=torch.long)
         if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
             torch.distributed.broadcast(drawn, src=torch.distributed.get_global_rank(self.tp_group, 0),
                                         group=self.tp_group)
@@ -127,13 +127,17 @@ class NativeRolloutEngine(RolloutEngine):
         prompt_ids = validate_prompts(normalise_prompts(prompts), self.max_model_len, params.max_new_tokens,
                                       self.vocab_size)
         rows = [ids for ids in prompt_ids for _ in range(params.n)]  # prompt-major, like repeat_interleave
-        generator = torch.Generator(device=self.device).manual_seed(self._shared_seed(params.seed))
+        # One uniform per (row, step), fixed up front: rows are reproducible whatever the chunking.
+        uniforms = None if params.is_greedy else row_uniforms(self._shared_seed(params.seed), len(rows),
+                                                                params.max_new_tokens, self.device)
         was_training = self.model.training
         self.model.eval()
         try:
             sequences: list[GeneratedSequence] = []
             for start in range(0, len(rows), self.max_batch_size):
-                sequences.extend(self._generate_chunk(rows[start:start + self.max_batch_size], params, generator))
+                chunk = slice(start, start + self.max_batch_size)
+                sequences.extend(self._generate_chunk(rows[chunk], params,
+                                                      None if uniforms is None else uniforms[chunk]))
         finally:
             self.model.train(was_training)
         return assemble_batch(sequences, params, self.pad_token_id)
@@ -143,7 +147,7 @@ class NativeRolloutEngine(RolloutEngine):
         return logits[:, -1, :self.vocab_size].float()
 
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams,
-                        generator: torch.Generator) -> list[GeneratedSequence]:
+                        uniforms: torch.Tensor | None) -> list[GeneratedSequence]:
         batch, dev = len(rows), self.device
         prompt_len = max(len(r) for r in rows)
         total_len = prompt_len + params.max_new_tokens
@@ -167,7 +171,7 @@ class NativeRolloutEngine(RolloutEngine):
         num_generated = torch.zeros(batch, dtype=torch.long, device=dev)
         for step in range(params.max_new_tokens):
             pos = prompt_len + step
-            new_tokens, new_log_probs = sample_tokens(logits, params, generator)
+            new_tokens, new_log_probs = sample_tokens(logits, params, None if uniforms is None else uniforms[:, step])
             active = ~finished
             tokens[:, pos] = torch.where(active, new_tokens, self.pad_token_id)
             is_real[:, pos] = active

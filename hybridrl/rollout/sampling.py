@@ -42,12 +42,25 @@ def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(logits, dim=-1)
 
 
+def row_uniforms(seed: int, rows: int, steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[rows, steps] uniforms in [0, 1); row r comes from its own generator seeded `seed + r`, so a sample
+    depends only on its seed and row, not on how rows are batched (and matches across TP ranks)."""
+    out = torch.empty((rows, steps), dtype=torch.float64)
+    for row in range(rows):
+        out[row] = torch.rand(steps, generator=torch.Generator().manual_seed(seed + row), dtype=torch.float64)
+    return out.to(device)
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` [B, V]; return (tokens [B], their log-probs [B])."""
+                  uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` [B, V] by inverting the CDF at `uniforms` [B] (ignored when
+    greedy); return (tokens [B], their log-probs [B])."""
     log_probs = sampling_log_probs(logits, params)
     if params.is_greedy:
         tokens = torch.argmax(logits, dim=-1)
     else:
-        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+        cdf = log_probs.double().exp().cumsum(dim=-1)
+        target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+        # right=True: the first index whose CDF exceeds the target, never a zero-probability token
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logits.size(-1) - 1)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
