@@ -169,12 +169,17 @@ def ray_processes(temp_dir: str) -> list:
     return list(found.values())
 
 
-def stop_ray_processes(temp_dir: str, grace_s: float = 10.0) -> int:
+def stop_ray_processes(temp_dir: str, grace_s: float = 10.0, also: list | None = None) -> int:
     """SIGTERM this node's Ray processes (raylet first, GCS last, like `ray stop`), SIGKILL what is
-    left after `grace_s`. Returns how many were found."""
+    left after `grace_s`. `also`: more psutil.Process objects known to belong to this node (e.g.
+    workers orphaned by a raylet that already died). Returns how many were found."""
     import psutil
 
-    procs = ray_processes(temp_dir)
+    procs = {p.pid: p for p in ray_processes(temp_dir)}
+    for proc in also or []:
+        if proc.is_running():  # psutil checks the create time: a reused pid is not ours
+            procs.setdefault(proc.pid, proc)
+    procs = list(procs.values())
     if not procs:
         return 0
 
@@ -228,7 +233,8 @@ def _log_tail(temp_dir: str, lines: int = 15) -> str:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    """Start this node's Ray (`ray start --block`) and keep it up until SIGTERM/SIGINT, then stop
+    """Start this node's Ray (`ray start --block`) and keep it up until a signal (TERM, INT, HUP,
+    USR1: srun forwards only USR1/USR2 to its task without killing the step), then stop
     exactly its processes and delete its temp dir. Exits non-zero when Ray dies on its own."""
     ip = node_ip(args.ip_mode, args.node_index)
     ports = node_ports(args.port_base, args.node_index, args.ip_mode == "loopback")
@@ -251,7 +257,7 @@ def run_node(args: argparse.Namespace) -> int:
     def on_signal(signum, _frame):
         stop_requested.append(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, on_signal)
 
     Path(args.temp_dir).mkdir(parents=True, exist_ok=True)
@@ -259,11 +265,19 @@ def run_node(args: argparse.Namespace) -> int:
                             args.head_address, args.num_cpus, args.num_gpus, args.object_store_bytes)
     logger.info("node %s (%s) starting Ray %s at %s: %s", args.node_name, args.node_index, args.role, ip,
                 " ".join(cmd))
+    import psutil
+
     child = subprocess.Popen(cmd, env=env)
+    me = psutil.Process()
+    known: dict[int, psutil.Process] = {}  # every process Ray started here, even after reparenting
     rc = 0
     while not stop_requested:
+        try:
+            known.update((p.pid, p) for p in me.children(recursive=True))
+        except psutil.Error:
+            pass
         rc_child = child.poll()
-        if rc_child is not None:
+        if rc_child is not None and not stop_requested:
             logger.error("node %s: Ray %s exited on its own (rc %s)\n%s", args.node_name, args.role,
                          rc_child, _log_tail(args.temp_dir))
             rc = rc_child or 1
@@ -271,7 +285,8 @@ def run_node(args: argparse.Namespace) -> int:
         time.sleep(0.5)
     if stop_requested:
         logger.info("node %s: signal %d, stopping Ray", args.node_name, stop_requested[0])
-    stop_ray_processes(args.temp_dir, grace_s=args.grace)
+    stopped = stop_ray_processes(args.temp_dir, grace_s=args.grace,
+                                 also=list(known.values()) + me.children(recursive=True))
     if child.poll() is None:
         child.terminate()
         try:
@@ -286,6 +301,12 @@ def run_node(args: argparse.Namespace) -> int:
         rc = rc or 4
     if not args.keep_temp_dir:
         subprocess.run(["rm", "-rf", args.temp_dir], check=False)
+        try:
+            Path(args.temp_dir).parent.rmdir()  # the job's dir, once the last node on this host is done
+        except OSError:
+            pass
+    logger.info("node %s: Ray stopped (%d processes were still running), %d left", args.node_name,
+                stopped, len(left))
     return rc
 
 

@@ -1,0 +1,167 @@
+"""`hybridrl submit` against a real Slurm: Debian's munge + slurmctld + two slurmd "nodes" on loopback
+(scripts/slurm_local.sh, started here when it is not running yet), Ray head + worker per node,
+a gloo all-reduce across both nodes, clean teardown, and requests that must fail fast."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    """The local two-node Slurm: started by scripts/slurm_local.sh (idempotent; CI runs it first)."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_local.sh")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"scripts/slurm_local.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True).stdout.split("\n")
+    assert sum(1 for line in nodes if line.strip()) >= 2, nodes
+
+
+def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybridrl.cli", "submit", *args], capture_output=True, text=True,
+                          env=_env(), cwd=ROOT, timeout=timeout)
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Processes this job left behind: started by it (SLURM_JOB_ID in their environment, which Ray
+    workers inherit from their raylet) or naming its Ray temp dirs."""
+    left = []
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (pid_dir / "environ").read_bytes().split(b"\0")
+            state = (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"hr-ray-{job_id}/" in cmdline or f"SLURM_JOB_ID={job_id}".encode() in environ:
+            left.append(f"{pid_dir.name} [{state}] {cmdline[:120]}")
+    return left
+
+
+def wait_no_processes(job_id: str, timeout_s: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def cancel(run_dir: Path) -> None:
+    job_file = run_dir / "job_id"
+    if job_file.is_file():
+        subprocess.run(["scancel", job_file.read_text().strip()], capture_output=True)
+
+
+def free_port_block(size: int) -> int:
+    """A base port with `size` free ports above it (checked on all addresses)."""
+    for base in range(33000, 60000, 977):
+        try:
+            for port in (base, base + size - 1):
+                with socket.socket() as sock:
+                    sock.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port block")
+
+
+def test_cluster_check_across_two_slurm_nodes(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    command = f"{sys.executable} -m hybridrl.launch.cluster_check --nodes 2 --steps 3"
+    try:
+        proc = submit("--command", command, "--nodes", "2", "--gpus-per-node", "0", "--ip-mode", "loopback",
+                      "--time", "5", "--job-name", "hr-test-check", "--run-dir", str(run_dir),
+                      "--ray-object-store-mb", "100", "--ray-join-timeout", "150", "--wait", "--wait-timeout", "280")
+    finally:
+        cancel(run_dir)
+    job_id = (run_dir / "job_id").read_text().strip()
+    job_log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_log}"
+    assert f"job {job_id} COMPLETED" in proc.stdout
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cluster = next(r for r in records if r["event"] == "cluster")
+    assert cluster["distinct_nodes"] == 2 and cluster["backend"] == "gloo"
+    # one actor on each Slurm node, each on its own loopback address (no routable address used)
+    assert sorted(r["node_name"] for r in cluster["ranks"]) == ["n1", "n2"]
+    assert sorted(r["ip"] for r in cluster["ranks"]) == ["127.0.0.2", "127.0.0.3"]
+    assert cluster["master"].startswith("127.0.0.")
+    steps = [r for r in records if r["event"] == "step"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for s in steps:  # rank r contributes (r+1)*(step+1): the sum over 2 ranks is 3*(step+1)
+        assert s["allreduce_value"] == 3.0 * (s["step"] + 1) and s["ok"]
+    assert records[-1] == {**records[-1], "event": "done", "ok": True}
+
+    assert "command exited with 0" in job_log and "Ray stopped" in job_log
+    for node in ("n1", "n2"):
+        node_log = (run_dir / "logs" / f"ray-{node}.log").read_text()
+        assert f"node {node}: Ray stopped" in node_log and ", 0 left" in node_log, node_log[-2000:]
+    assert wait_no_processes(job_id) == []
+    assert not Path(f"/tmp/hr-ray-{job_id}").exists()
+
+
+def test_impossible_requests_fail_before_submission(slurm, tmp_path):
+    queued_before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    base = ["--command", "true", "--run-dir", str(tmp_path / "never")]
+    cases = {
+        ("--nodes", "3", "--gpus-per-node", "0"): "--nodes 3: partition debug has only 2 node(s)",
+        ("--nodes", "2", "--gpus-per-node", "0", "--partition", "nosuch"):
+            "--partition nosuch: no such partition (available: debug (default)",
+        ("--nodes", "2", "--gpus-per-node", "1"): "--gpus-per-node 1: only 0 node(s) of partition debug have 1 GPU",
+        ("--nodes", "2", "--gpus-per-node", "0", "--time", "5 hours"): "--time '5 hours' is not a Slurm time",
+        ("--nodes", "0", "--gpus-per-node", "0"): "--nodes must be >= 1",
+    }
+    for args, message in cases.items():
+        proc = submit(*base, *args, timeout=60)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert message in proc.stderr, (args, proc.stderr)
+    proc = submit("configs/does-not-exist.yaml", "--nodes", "1", "--gpus-per-node", "0", timeout=60)
+    assert proc.returncode == 2 and "config configs/does-not-exist.yaml does not exist" in proc.stderr
+    assert not (tmp_path / "never").exists()
+    queued_after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    assert set(queued_after) <= set(queued_before), "an impossible request reached the queue"
+
+
+@pytest.mark.parametrize("blocked_node", ["n1", "n2"])
+def test_ray_node_that_cannot_start_fails_the_job_fast(slurm, tmp_path, blocked_node):
+    """A port of the head's GCS (n1) or of n2's raylet is taken: the job must fail saying which node,
+    long before its join timeout, and leave nothing behind."""
+    run_dir = tmp_path / "run"
+    port_base = free_port_block(800)
+    blocked_port = port_base if blocked_node == "n1" else port_base + 400 + 1  # GCS / n2's node manager
+    blocker = socket.socket()
+    blocker.bind(("0.0.0.0", blocked_port))  # bound, not listening: connections are refused
+    try:
+        proc = submit("--command", "true", "--nodes", "2", "--gpus-per-node", "0", "--ip-mode", "loopback",
+                      "--time", "5", "--job-name", "hr-test-fail", "--run-dir", str(run_dir),
+                      "--ray-port-base", str(port_base), "--ray-object-store-mb", "100",
+                      "--ray-join-timeout", "240", "--wait", "--wait-timeout", "230")
+    finally:
+        blocker.close()
+        cancel(run_dir)
+    job_id = (run_dir / "job_id").read_text().strip()
+    job_log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert proc.returncode == 3, f"{proc.stdout}\n{proc.stderr}\n{job_log}"
+    expected = ("the Ray head on node n1 did not come up" if blocked_node == "n1"
+                else "node n2 never joined the Ray cluster")
+    assert expected in job_log, job_log
+    # detected through the node's exited start step, not by running into the join timeout
+    assert "its Ray start step" in job_log and "exited" in job_log, job_log
+    assert "command exited" not in job_log  # the command never ran
+    assert wait_no_processes(job_id) == []
