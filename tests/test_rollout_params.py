@@ -135,3 +135,9 @@ def test_sampling_params_from_config():
     params = sampling_params_from_config(RolloutConfig(n=4, temperature=0.7, top_p=0.9, max_new_tokens=5), seed=3)
     assert (params.n, params.temperature, params.top_p, params.max_new_tokens, params.seed) == (4, 0.7, 0.9, 5, 3)
     assert math.isclose(params.top_p, 0.9)
+
+
+def test_vllm_generation_tp_above_one_is_refused_before_start():
+    pytest.importorskip("vllm")
+    with pytest.raises(RuntimeError, match="rollout.tp=2 .*rollout.engine=native"):
+        build_rollout_engine({"engine": "vllm", "tp": 2}, model_path="/nonexistent")

