@@ -69,15 +69,21 @@ def cancel(run_dir: Path) -> None:
 
 
 def free_port_block(size: int) -> int:
-    """A base port with `size` free ports above it (checked on all addresses)."""
-    for base in range(33000, 60000, 977):
+    """A base port with `size` free ports above it, below Linux's ephemeral range (32768+) where
+    other processes' outgoing connections would collide."""
+    for base in range(24000, 32000 - size, 1000):
+        socks = []
         try:
-            for port in (base, base + size - 1):
-                with socket.socket() as sock:
-                    sock.bind(("0.0.0.0", port))
+            for port in range(base, base + size):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("0.0.0.0", port))
             return base
         except OSError:
             continue
+        finally:
+            for sock in socks:
+                sock.close()
     raise RuntimeError("no free port block")
 
 
@@ -162,6 +168,6 @@ def test_ray_node_that_cannot_start_fails_the_job_fast(slurm, tmp_path, blocked_
                 else "node n2 never joined the Ray cluster")
     assert expected in job_log, job_log
     # detected through the node's exited start step, not by running into the join timeout
-    assert "its Ray start step" in job_log and "exited" in job_log, job_log
+    assert "its Ray start step" in job_log and f"port(s) [{blocked_port}] already in use" in job_log, job_log
     assert "command exited" not in job_log  # the command never ran
     assert wait_no_processes(job_id) == []

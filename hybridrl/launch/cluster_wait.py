@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from hybridrl.launch.ray_node import tcp_reachable
 
@@ -32,12 +33,25 @@ def _exited(pid: int) -> bool:
         return True
 
 
+def _last_error(log_hint: str, node: str) -> str:
+    """The last ERROR line of a node's start log (`log_hint` with <node> in it), if readable."""
+    if "<node>" not in log_hint:
+        return ""
+    try:
+        lines = Path(log_hint.replace("<node>", node)).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line.split(" ERROR ", 1)[-1] for line in lines if " ERROR " in line]
+    return f": {errors[-1]}" if errors else ""
+
+
 def _check_watched(watch: dict[str, int], head: str, address: str, log_hint: str) -> None:
     for name, pid in watch.items():
         if _exited(pid):
             what = f"the Ray head on node {name} did not come up" if name == head else \
                 f"node {name} never joined the Ray cluster"
-            raise ClusterNotReady(f"{what}: its Ray start step (pid {pid}) exited"
+            time.sleep(0.5)  # let the step's last log lines land
+            raise ClusterNotReady(f"{what}: its Ray start step (pid {pid}) exited{_last_error(log_hint, name)}"
                                   f" (head address {address}){'; logs: ' + log_hint if log_hint else ''}")
 
 

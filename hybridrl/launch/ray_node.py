@@ -70,6 +70,15 @@ def node_ports(port_base: int, node_index: int, loopback: bool) -> RayNodePorts:
                         min_worker=base + FIRST_WORKER_PORT_OFFSET, max_worker=base + PORT_BLOCK - 1)
 
 
+def slurm_cpus_per_node(spec: str) -> list[int]:
+    """Expand SLURM_JOB_CPUS_PER_NODE ("4(x2),2" -> [4, 4, 2])."""
+    counts = []
+    for item in spec.split(","):
+        value, _, repeat = item.partition("(x")
+        counts += [int(value)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
+
+
 def node_ip(ip_mode: str, node_index: int) -> str:
     """This node's address for Ray and collectives.
 
@@ -212,6 +221,23 @@ def stop_ray_processes(temp_dir: str, grace_s: float = 10.0, also: list | None =
     return len(procs)
 
 
+def ports_in_use(ports: RayNodePorts, role: str) -> list[int]:
+    """The fixed ports of this node that something else already holds. Ray itself notices only
+    after a minute of retries; checking first lets the job fail in seconds, naming the port."""
+    fixed = [ports.node_manager, ports.object_manager, ports.runtime_env_agent, ports.dashboard_agent_grpc,
+             ports.dashboard_agent_listen, ports.metrics_export]
+    if role == "head":
+        fixed = [ports.gcs, ports.ray_client_server, ports.dashboard] + fixed
+    taken = []
+    for port in fixed:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))  # the GCS and the raylet listen on all addresses
+            except OSError:
+                taken.append(port)
+    return taken
+
+
 def tcp_reachable(address: str, timeout_s: float = 1.0) -> bool:
     host, port = address.rsplit(":", 1)
     try:
@@ -243,15 +269,6 @@ def run_node(args: argparse.Namespace) -> int:
     env.setdefault("RAY_AUTH_MODE", "disabled")  # every node and the driver must agree (FACTS.md)
     if args.ip_mode == "loopback":
         env["GLOO_SOCKET_IFNAME"] = "lo"  # collectives between the fake nodes stay on loopback
-    if args.role == "worker":
-        deadline = time.monotonic() + args.head_timeout
-        while not tcp_reachable(args.head_address):
-            if time.monotonic() > deadline:
-                logger.error("node %s: Ray head at %s not reachable after %.0f s; not joining",
-                             args.node_name, args.head_address, args.head_timeout)
-                return 3
-            time.sleep(0.5)
-
     stop_requested: list[int] = []
 
     def on_signal(signum, _frame):
@@ -260,9 +277,30 @@ def run_node(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, on_signal)
 
+    taken = ports_in_use(ports, args.role)
+    if taken:
+        logger.error("node %s: Ray %s cannot start: port(s) %s already in use (pick another --ray-port-base)",
+                     args.node_name, args.role, taken)
+        return 5
+    if args.role == "worker":
+        deadline = time.monotonic() + args.head_timeout
+        while not tcp_reachable(args.head_address):
+            if stop_requested:
+                return 0
+            if time.monotonic() > deadline:
+                logger.error("node %s: Ray head at %s not reachable after %.0f s; not joining",
+                             args.node_name, args.head_address, args.head_timeout)
+                return 3
+            time.sleep(0.5)
+
+    num_cpus = args.num_cpus
+    if num_cpus is None and os.environ.get("SLURM_JOB_CPUS_PER_NODE"):
+        # what Slurm gave this job on this node, not the whole machine (Ray's own guess)
+        per_node = slurm_cpus_per_node(os.environ["SLURM_JOB_CPUS_PER_NODE"])
+        num_cpus = per_node[min(args.node_index, len(per_node) - 1)]
     Path(args.temp_dir).mkdir(parents=True, exist_ok=True)
     cmd = ray_start_command(args.role, args.node_name, ip, ports, args.temp_dir,
-                            args.head_address, args.num_cpus, args.num_gpus, args.object_store_bytes)
+                            args.head_address, num_cpus, args.num_gpus, args.object_store_bytes)
     logger.info("node %s (%s) starting Ray %s at %s: %s", args.node_name, args.node_index, args.role, ip,
                 " ".join(cmd))
     import psutil
