@@ -1,0 +1,147 @@
+"""Build a Megatron-Core GPTModel (LM head or scalar head) from a Hugging Face config."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from hybridrl.models.config import GPTArgs, gpt_args_from_hf, transformer_config_from_hf
+from hybridrl.models.families import family_for
+from hybridrl.parallel.distributed import use_cuda
+
+logger = logging.getLogger(__name__)
+
+HEADS = ("lm", "scalar")
+
+
+class ScalarHead(torch.nn.Module):
+    """Linear(hidden, 1) replicated on every TP rank; stands in for GPTModel.output_layer.
+
+    GPTModel calls `output_layer(hidden, weight=..., runtime_gather_output=...)` and expects
+    `(output, bias)`; the result is per-token scalars of shape [s, b, 1] (GPTModel returns [b, s, 1]).
+    """
+
+    def __init__(self, config: Any, tp_group: Any):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.sequence_parallel = config.sequence_parallel
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,
+                                                     device="cpu" if config.use_cpu_initialization else None))
+        config.init_method(self.weight)
+        # Replicated over TP: Megatron's checkpointing and grad code read these attributes.
+        self.weight.tensor_model_parallel = False
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        if self.sequence_parallel:  # the decoder output is split along the sequence over TP ranks
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=self.tp_group)
+        return torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype)), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
+                                                   sharded_offsets)
+
+
+def layer_spec(config: Any):
+    """TransformerEngine spec on GPU when transformer_engine imports; Megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_cuda():
+        try:
+            import transformer_engine  # noqa: F401
+
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
+
+
+def _tp_pp_sizes(pg_collection: Any) -> tuple[int, int, Any]:
+    from megatron.core import parallel_state
+
+    if pg_collection is not None:
+        return pg_collection.tp.size(), pg_collection.pp.size(), pg_collection.tp
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_group())
+
+
+def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | None = None,
+                    post_process: bool | None = None, pg_collection: Any = None,
+                    dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
+                    padded_vocab_size: int | None = None, **config_overrides: Any):
+    """A Megatron GPTModel for this rank's TP/PP shard of a Llama/Qwen2 HF config.
+
+    head="lm": logits over the (padded) vocab; head="scalar": per-token scalars [b, s, 1] from a
+    replicated Linear(hidden, 1) (critic / reward model). Parallel sizes come from `pg_collection`
+    or, without one, from Megatron's global parallel state. The returned model carries
+    `hybridrl_args` (GPTArgs), `hybridrl_head` and `hybridrl_family` for conversion code.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if head not in HEADS:
+        raise ValueError(f"head={head!r}; choose one of {HEADS}")
+    family = family_for(hf_config)
+    tp, pp, tp_group = _tp_pp_sizes(pg_collection)
+    pp_rank = pg_collection.pp.rank() if pg_collection is not None else \
+        parallel_state.get_pipeline_model_parallel_rank()
+    pre_process = pp_rank == 0 if pre_process is None else pre_process
+    post_process = pp_rank == pp - 1 if post_process is None else post_process
+    args: GPTArgs = gpt_args_from_hf(hf_config, tp, padded_vocab_size)
+    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
+                                        dtype=dtype, on_gpu=use_cuda(), **config_overrides)
+    tie = args.tie_embeddings and head == "lm"
+    extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(config), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_sequence_length, pre_process=pre_process, post_process=post_process,
+        parallel_output=True, share_embeddings_and_output_weights=tie, position_embedding_type="rope",
+        rotary_base=args.rope.theta, rope_scaling=args.rope.llama3_factor is not None,
+        rope_scaling_factor=args.rope.llama3_factor or 8.0,
+        seq_len_interpolation_factor=args.rope.linear_factor, **extra)
+    if head == "scalar" and post_process:
+        model.output_layer = ScalarHead(config, tp_group)
+    if dtype != torch.float32 and not use_cuda():
+        model = model.to(dtype)
+    model.hybridrl_args = args
+    model.hybridrl_head = head
+    model.hybridrl_family = family
+    logger.debug("built %s GPTModel (%s head) tp=%d pp=%d stage=%d", family.name, head, tp, pp, pp_rank)
+    return model
+
+
+def layer_offset(model: Any) -> int:
+    """Global index of this pipeline stage's first transformer layer."""
+    decoder = getattr(model, "decoder", None)
+    if decoder is None or len(decoder.layers) == 0:
+        return 0
+    return decoder.layers[0].layer_number - 1
+
+
+def global_param_name(model: Any, local_name: str) -> str:
+    """A parameter name of this stage's model with the global layer number (see families.py)."""
+    prefix = "decoder.layers."
+    if local_name.startswith(prefix):
+        index, rest = local_name[len(prefix):].split(".", 1)
+        return f"{prefix}{int(index) + layer_offset(model)}.{rest}"
+    return local_name
+
+
+def named_global_parameters(model: Any):
+    """(global Megatron name, parameter) for this rank's shard; unwraps DDP/Float16Module wrappers."""
+    inner = unwrap(model)
+    for name, param in inner.named_parameters():
+        yield global_param_name(inner, name), param
+
+
+def unwrap(model: Any) -> Any:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model

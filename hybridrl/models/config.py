@@ -1,0 +1,137 @@
+"""Hugging Face config -> Megatron-Core TransformerConfig + GPTModel arguments (Llama, Qwen2)."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.models.families import ModelDims, UnsupportedModelError, family_for
+
+logger = logging.getLogger(__name__)
+
+# Megatron-Core's llama3 RoPE scaling has these constants built in (rotary_pos_embedding._apply_scaling).
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class CheckpointError(ValueError):
+    """A missing, truncated or inconsistent checkpoint."""
+
+
+@dataclass
+class RopeSettings:
+    theta: float = 10000.0
+    llama3_factor: float | None = None          # Llama-3.x scaling (Megatron rope_scaling=True)
+    linear_factor: float | None = None          # linear position interpolation
+
+
+@dataclass
+class GPTArgs:
+    """Everything GPTModel needs besides the TransformerConfig and the layer spec."""
+    vocab_size: int                 # HF vocab
+    padded_vocab_size: int          # Megatron vocab (multiple of tp)
+    max_sequence_length: int
+    rope: RopeSettings = field(default_factory=RopeSettings)
+    tie_embeddings: bool = False
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """AutoConfig from a folder, with a clear error when config.json is missing or unreadable."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json; pass a Hugging Face model folder "
+                              f"(save_pretrained output)")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}/config.json cannot be read by transformers: {exc}") from exc
+
+
+def rope_settings(hf_config: Any) -> RopeSettings:
+    """RoPE theta and scaling from either transformers 5 `rope_parameters` or older `rope_theta/rope_scaling`."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type == "default":
+        return RopeSettings(theta=theta)
+    if rope_type == "linear":
+        return RopeSettings(theta=theta, linear_factor=float(merged["factor"]))
+    if rope_type == "llama3":
+        for key, value in _MEGATRON_LLAMA3_ROPE.items():
+            if key in merged and float(merged[key]) != value:
+                raise UnsupportedModelError(
+                    f"rope_scaling llama3 with {key}={merged[key]} is not supported (Megatron-Core fixes "
+                    f"{key}={value}); use a checkpoint with the standard Llama-3.1 rope_scaling")
+        return RopeSettings(theta=theta, llama3_factor=float(merged["factor"]))
+    raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported; supported: "
+                                f"default (none), linear, llama3")
+
+
+def check_supported(hf_config: Any) -> None:
+    """Refuse config features the Megatron model would silently get wrong."""
+    family = family_for(hf_config)
+    if family.name == "llama" and getattr(hf_config, "attention_bias", False):
+        raise UnsupportedModelError("Llama with attention_bias=True (bias on o_proj too) is not supported")
+    if getattr(hf_config, "mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=True is not supported (Megatron add_bias_linear would add all biases)")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise UnsupportedModelError("use_sliding_window=True is not supported; set it to false in config.json")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (SwiGLU needs silu)")
+    rope_settings(hf_config)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Smallest multiple of tp holding the vocab: Megatron splits vocab rows evenly over TP."""
+    return -(-vocab_size // tp) * tp
+
+
+def gpt_args_from_hf(hf_config: Any, tp: int, padded_vocab_size: int | None = None) -> GPTArgs:
+    check_supported(hf_config)
+    padded = padded_vocab_size or padded_vocab(hf_config.vocab_size, tp)
+    if padded % tp or padded < hf_config.vocab_size:
+        raise CheckpointError(f"padded vocab {padded} is not a multiple of tp={tp} covering vocab "
+                              f"{hf_config.vocab_size}; convert the checkpoint at a tp that divides {padded}")
+    return GPTArgs(vocab_size=hf_config.vocab_size, padded_vocab_size=padded,
+                   max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
+                   rope=rope_settings(hf_config),
+                   tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                               dtype: torch.dtype = torch.float32, on_gpu: bool = False, **overrides: Any):
+    """The Megatron TransformerConfig of a Llama/Qwen2 HF config (fusions off and CPU init on CPU)."""
+    from megatron.core.transformer import TransformerConfig
+
+    check_supported(hf_config)
+    family = family_for(hf_config)
+    d = ModelDims.from_hf(hf_config)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise UnsupportedModelError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    kwargs: dict[str, Any] = dict(
+        num_layers=d.num_layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn_hidden,
+        num_attention_heads=d.num_heads, num_query_groups=d.num_query_groups, kv_channels=d.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, add_qkv_bias=family.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        # The fused kernels compile through torch.compile on CPU (15-20 s per process): GPU only.
+        bias_activation_fusion=on_gpu, masked_softmax_fusion=on_gpu, bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False, persist_layer_norm=on_gpu, gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        use_cpu_initialization=not on_gpu,
+        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
