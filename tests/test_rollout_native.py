@@ -69,6 +69,7 @@ def _native_suite(model_dir: str, new_model_dir: str, tp: int) -> dict:
     out["sample_again"] = _plain(engine.generate(PROMPTS, sample))
     out["sample_other_seed"] = _plain(engine.generate(PROMPTS, SamplingParams(n=3, seed=12,
                                                                               max_new_tokens=NEW_TOKENS)))
+    out["unseeded"] = _plain(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=NEW_TOKENS)))
     stop_token = int(out["greedy"]["responses"][0, 2])
     out["stop_token"] = stop_token
     out["stopped"] = _plain(engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=NEW_TOKENS,
@@ -194,8 +195,8 @@ def test_generation_tp2_equals_tp1(results):
         assert torch.equal(r1[name]["responses"], r2[name]["responses"]), name
         assert torch.equal(r1[name]["response_mask"], r2[name]["response_mask"]), name
         assert torch.allclose(r1[name]["rollout_log_probs"], r2[name]["rollout_log_probs"], atol=1e-5), name
-    # both TP ranks of the generation group produced the same batch
-    for name in ("greedy", "sample", "hot"):
+    # both TP ranks of the generation group produced the same batch (unseeded: one seed drawn for both)
+    for name in ("greedy", "sample", "hot", "unseeded"):
         assert torch.equal(results[2][0][name]["responses"], results[2][1][name]["responses"])
 
 

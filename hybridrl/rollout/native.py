@@ -115,7 +115,7 @@ class NativeRolloutEngine(RolloutEngine):
         """The seed every rank of the generation TP group samples with (drawn once when not given)."""
         if seed is not None:
             return int(seed)
-        drawn = torch.randint(0, 2**31, (1,), dtype=torch.long)
+        drawn = torch.randint(0, 2**31, (1,), dtype=torch.long, device=self.device)
         if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
             torch.distributed.broadcast(drawn, src=torch.distributed.get_global_rank(self.tp_group, 0),
                                         group=self.tp_group)
