@@ -3,6 +3,7 @@
 a gloo all-reduce across both nodes, clean teardown, and requests that must fail fast."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
 
 
 def _env() -> dict[str, str]:
@@ -35,6 +35,17 @@ def slurm() -> None:
 def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridrl.cli", "submit", *args], capture_output=True, text=True,
                           env=_env(), cwd=ROOT, timeout=timeout)
+
+
+def submit_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """`hybridrl submit` without a new interpreter (which would import every subcommand)."""
+    from hybridrl import launch_cli
+
+    parser = argparse.ArgumentParser()
+    launch_cli.add_arguments(parser)
+    rc = launch_cli.run(parser.parse_args(list(args)))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
 
 
 def job_processes(job_id: str) -> list[str]:
@@ -87,6 +98,7 @@ def free_port_block(size: int) -> int:
     raise RuntimeError("no free port block")
 
 
+@pytest.mark.slow
 def test_cluster_check_across_two_slurm_nodes(slurm, tmp_path):
     run_dir = tmp_path / "run"
     command = f"{sys.executable} -m hybridrl.launch.cluster_check --nodes 2 --steps 3"
@@ -122,28 +134,33 @@ def test_cluster_check_across_two_slurm_nodes(slurm, tmp_path):
     assert not Path(f"/tmp/hr-ray-{job_id}").exists()
 
 
-def test_impossible_requests_fail_before_submission(slurm, tmp_path):
+def test_impossible_requests_fail_before_submission(slurm, tmp_path, capsys):
     queued_before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
     base = ["--command", "true", "--run-dir", str(tmp_path / "never")]
+    # through the real CLI once
+    proc = submit(*base, "--nodes", "3", "--gpus-per-node", "0", timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "hybridrl submit: error: --nodes 3: partition debug has only 2 node(s) (n[1-2])" in proc.stderr
     cases = {
-        ("--nodes", "3", "--gpus-per-node", "0"): "--nodes 3: partition debug has only 2 node(s)",
         ("--nodes", "2", "--gpus-per-node", "0", "--partition", "nosuch"):
-            "--partition nosuch: no such partition (available: debug (default)",
+            "--partition nosuch: no such partition (available: debug (default): 2 nodes)",
         ("--nodes", "2", "--gpus-per-node", "1"): "--gpus-per-node 1: only 0 node(s) of partition debug have 1 GPU",
         ("--nodes", "2", "--gpus-per-node", "0", "--time", "5 hours"): "--time '5 hours' is not a Slurm time",
         ("--nodes", "0", "--gpus-per-node", "0"): "--nodes must be >= 1",
     }
     for args, message in cases.items():
-        proc = submit(*base, *args, timeout=60)
-        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
-        assert message in proc.stderr, (args, proc.stderr)
-    proc = submit("configs/does-not-exist.yaml", "--nodes", "1", "--gpus-per-node", "0", timeout=60)
-    assert proc.returncode == 2 and "config configs/does-not-exist.yaml does not exist" in proc.stderr
+        rc, _, err = submit_in_process(capsys, *base, *args)
+        assert rc == 2 and message in err, (args, err)
+    rc, _, err = submit_in_process(capsys, "configs/does-not-exist.yaml", "--nodes", "1", "--gpus-per-node", "0")
+    assert rc == 2 and "config configs/does-not-exist.yaml does not exist" in err
+    rc, _, err = submit_in_process(capsys, "--command", "true", "x=1", "--nodes", "1", "--gpus-per-node", "0")
+    assert rc == 2 and "--command replaces `hybridrl train CONFIG ...`" in err
     assert not (tmp_path / "never").exists()
     queued_after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
     assert set(queued_after) <= set(queued_before), "an impossible request reached the queue"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocked_node", ["n1", "n2"])
 def test_ray_node_that_cannot_start_fails_the_job_fast(slurm, tmp_path, blocked_node):
     """A port of the head's GCS (n1) or of n2's raylet is taken: the job must fail saying which node,
@@ -171,3 +188,52 @@ def test_ray_node_that_cannot_start_fails_the_job_fast(slurm, tmp_path, blocked_
     assert "its Ray start step" in job_log and f"port(s) [{blocked_port}] already in use" in job_log, job_log
     assert "command exited" not in job_log  # the command never ran
     assert wait_no_processes(job_id) == []
+
+
+def test_dry_run_renders_the_train_job(tmp_path, capsys):
+    """No Slurm needed: the rendered script carries the request, the trainer command with
+    trainer.resume=auto (requeue), and no unfilled placeholder."""
+    config = tmp_path / "remax.yaml"
+    config.write_text("algorithm: remax\n")
+    rc, script, err = submit_in_process(
+        capsys, str(config), "actor.lr=1e-6", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
+        "--time", "1-00:00:00", "--run-dir", str(tmp_path / "run dir"), "--env", "NCCL_DEBUG=WARN",
+        "--sbatch-arg=--account=rl", "--dry-run")
+    assert rc == 0, err
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=1-00:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@180",
+                 "#SBATCH --account=rl", "#SBATCH --ntasks-per-node=1", "export NCCL_DEBUG=WARN",
+                 f"RUN_DIR='{tmp_path / 'run dir'}'", "GPUS_PER_NODE=8", "IP_MODE=auto"):
+        assert line in script, line
+    assert f"COMMAND=({sys.executable} -m hybridrl.cli train {config} actor.lr=1e-6 trainer.resume=auto)" in script
+    assert "{{" not in script.replace("({{placeholders}}", "")
+    assert not (tmp_path / "run dir").exists()
+    # the rendered script is valid bash
+    check = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+    rc, script, err = submit_in_process(capsys, "--command", "echo 'a b'", "--nodes", "1", "--gpus-per-node", "0",
+                                        "--no-requeue", "--dry-run")
+    assert rc == 0, err
+    assert "COMMAND=(echo 'a b')" in script and "#SBATCH --no-requeue" in script
+    assert "trainer.resume=auto" not in script and "#SBATCH --gpus-per-node" not in script
+
+
+def test_port_ip_and_slurm_string_helpers():
+    from hybridrl.launch.ray_node import default_port_base, node_ip, node_ports, slurm_cpus_per_node
+    from hybridrl.launch.slurm_query import gpus_in_gres
+
+    head, worker = node_ports(20000, 0, loopback=True), node_ports(20000, 1, loopback=True)
+    head_ports = {v for v in vars(head).values()}
+    assert head.gcs == 20000 and worker.gcs == 20400 and worker.max_worker == 20799
+    assert not head_ports & {v for v in vars(worker).values()}  # fake nodes on one host never share a port
+    assert node_ports(20000, 5, loopback=False) == head  # real nodes are separate hosts: same block
+    assert node_ip("loopback", 0) == "127.0.0.2" and node_ip("loopback", 1) == "127.0.0.3"
+    assert node_ip("10.1.2.3", 7) == "10.1.2.3"
+    with pytest.raises(ValueError, match="--ip-mode"):
+        node_ip("eth0", 0)
+    bases = {default_port_base(job, 2, loopback=True) for job in range(100)}
+    assert min(bases) >= 20000 and max(bases) + 800 <= 32000 and len(bases) > 1
+    assert slurm_cpus_per_node("4(x2),2") == [4, 4, 2]
+    assert gpus_in_gres("gpu:8") == 8 and gpus_in_gres("gpu:a100:4(S:0-1),gpu:v100:2") == 6
+    assert gpus_in_gres("(null)") == 0

@@ -250,9 +250,10 @@ def tcp_reachable(address: str, timeout_s: float = 1.0) -> bool:
 def _log_tail(temp_dir: str, lines: int = 15) -> str:
     """The end of the Ray daemon error logs, to say why a node did not start."""
     out = []
-    for log in sorted(Path(temp_dir).glob("session_*/logs/*")):
+    for log in sorted(Path(temp_dir).glob("session_2*/logs/*")):  # not session_latest (a link)
         if log.name.startswith(("raylet", "gcs_server")) and log.suffix in (".err", ".out") and log.is_file():
-            text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+            text = [line for line in log.read_text(errors="replace").strip().splitlines()
+                    if "(+0x" not in line and "__libc_start_main" not in line][-lines:]  # no backtraces
             if text:
                 out.append(f"--- {log}\n" + "\n".join(text))
     return "\n".join(out)
