@@ -22,19 +22,25 @@ class UnsupportedMegatronVersion(RuntimeError):
     """megatron-core is a version the shims were not written for: refuse rather than mis-patch."""
 
 
+def spec_text(spec: SpecifierSet) -> str:
+    """'>=0.16,<0.20' (lower bounds first; SpecifierSet's own str() sorts them alphabetically)."""
+    return ",".join(str(s) for s in sorted(spec, key=lambda s: (not s.operator.startswith(">"), s.version)))
+
+
 def check_version(version: str, supported: SpecifierSet = SUPPORTED, what: str = "megatron_patches") -> None:
     """Raise UnsupportedMegatronVersion unless `version` lies in `supported`."""
+    wanted = spec_text(supported)
     try:
         parsed = Version(version)
     except Exception as exc:  # packaging.version.InvalidVersion
         raise UnsupportedMegatronVersion(
             f"{what}: cannot parse megatron-core version {version!r}; install a release in "
-            f"'megatron-core{supported}' (checked on {', '.join(CHECKED_ON)})") from exc
+            f"'megatron-core{wanted}' (checked on {', '.join(CHECKED_ON)})") from exc
     if parsed not in supported:
         raise UnsupportedMegatronVersion(
             f"{what}: megatron-core {version} is not supported by the CPU/gloo shims (supported: "
-            f"'megatron-core{supported}', checked on {', '.join(CHECKED_ON)}). Install a supported "
-            f"release (pip install 'megatron-core{supported}') or port and re-check megatron_patches/ "
+            f"'megatron-core{wanted}', checked on {', '.join(CHECKED_ON)}). Install a supported "
+            f"release (pip install 'megatron-core{wanted}') or port and re-check megatron_patches/ "
             f"for {version}.")
 
 

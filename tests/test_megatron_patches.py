@@ -1,0 +1,244 @@
+"""Each CPU/gloo shim fixes a real failure: every check runs in a fresh process without the patches
+(it must fail with the known upstream error) and with them (it must work and give correct values).
+
+Two subprocesses in all (one without, one with `megatron_patches.apply()`), each running every check,
+keep this cheap. The version guard and the CUDA no-op are checked in the unpatched one, after its
+checks, because apply() must leave a refused process untouched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r'''
+import json, sys, traceback, warnings
+warnings.filterwarnings("ignore")
+import torch
+
+def rng():
+    from megatron.core import tensor_parallel
+    tensor_parallel.model_parallel_cuda_manual_seed(123, tp_rank=1, ep_rank=0, etp_rank=0)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    torch.manual_seed(7)
+    outside_before = torch.rand(2)
+    torch.manual_seed(7)
+    torch.rand(1)
+    with tracker.fork():
+        first = torch.rand(3)
+    with tracker.fork():
+        second = torch.rand(3)  # the tracked stream continues where it stopped
+    outside_after = torch.rand(1)  # the default stream is untouched by the forks
+    expected = torch.Generator().manual_seed(123 + 2718 + 1)  # upstream: seed + 2718 + tp_rank
+    want = torch.rand(6, generator=expected)
+    return {"fork_ok": torch.equal(torch.cat([first, second]), want),
+            "default_ok": torch.equal(outside_after, outside_before[1:])}
+
+def cuda_device():
+    from megatron.core.utils import GlobalMemoryBuffer
+    buf = GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "x")  # device=torch.cuda.current_device()
+    x = torch.arange(4.0)
+    moved = x.cuda().to("cuda:0").to(device="cuda", dtype=torch.float64).pin_memory()
+    torch.cuda.nvtx.range_push("r"); torch.cuda.nvtx.range_pop()
+    stream = torch.cuda.Stream(); stream.wait_stream(torch.cuda.current_stream()); torch.cuda.synchronize()
+    made = torch.zeros(3, device="cuda", pin_memory=True)
+    return {"buffer": [list(buf.shape), str(buf.device)], "moved": moved.tolist(), "moved_dtype": str(moved.dtype),
+            "made": [made.tolist(), str(made.device)], "device": str(torch.cuda.current_device())}
+
+def tensor_type():
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.ones(4)
+    clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=10.0)
+    return {"grad": param.grad.tolist(), "type_outside": torch.ones(1).type()}
+
+def norm_sp():
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+                               sequence_parallel=True, normalization="RMSNorm", use_cpu_initialization=True)
+    norm = WrappedTorchNorm(config=config, hidden_size=8, eps=1e-5)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 8))
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+        diff = (norm(x) - want).abs().max().item()
+    import megatron_patches
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    return {"tagged": all(getattr(p, "sequence_parallel", False) for p in norm.parameters()),
+            "diff": diff, "config_sp_kept": config.sequence_parallel,
+            "helper_tagged": megatron_patches.mark_sequence_parallel_params(plain),
+            "linear_untagged": not hasattr(plain[0].weight, "sequence_parallel")}
+
+def moe():
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+    inp, weight = torch.randn(5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    out = router_gating_linear(inp, weight, None, torch.float32)
+    out.sum().backward()
+    return {"diff": (out - inp @ weight.t()).abs().max().item(),
+            "grad_diff": (inp.grad - weight.sum(0).expand(5, 8)).abs().max().item()}
+
+def version_guard():
+    import megatron.core, megatron_patches
+    real = megatron.core.__version__
+    megatron.core.__version__ = "0.21.0"
+    try:
+        megatron_patches.apply()
+        return {"raised": None}
+    except megatron_patches.UnsupportedMegatronVersion as exc:
+        message = str(exc)
+    finally:
+        megatron.core.__version__ = real
+    try:
+        torch.cuda.current_device()
+        untouched = False
+    except AssertionError:
+        untouched = True
+    return {"raised": message, "untouched": untouched, "applied": megatron_patches.applied()}
+
+def cuda_noop():
+    import megatron_patches
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        result = megatron_patches.apply()
+    finally:
+        torch.cuda.is_available = real
+    return {"result": result, "applied": megatron_patches.applied()}
+
+CHECKS = [rng, cuda_device, tensor_type, norm_sp, moe]
+mode = sys.argv[1]
+if mode == "patched":
+    import megatron_patches
+    first, again = megatron_patches.apply(), megatron_patches.apply()
+    results = {"apply": {"ok": True, "first": first, "again": again}}
+else:
+    results = {}
+    CHECKS += [version_guard, cuda_noop]
+for check in CHECKS:
+    try:
+        results[check.__name__] = {"ok": True, **check()}
+    except BaseException as exc:
+        results[check.__name__] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                   "trace": traceback.format_exc()[-1500:]}
+print("RESULTS " + json.dumps(results))
+'''
+
+
+def _start_child(mode: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-c", CHILD, mode], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _results(proc: subprocess.Popen, mode: str) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"child ({mode}) failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def children() -> dict:
+    procs = {mode: _start_child(mode) for mode in ("unpatched", "patched")}  # both at once
+    return {mode: _results(proc, mode) for mode, proc in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def unpatched(children) -> dict:
+    return children["unpatched"]
+
+
+@pytest.fixture(scope="module")
+def patched(children) -> dict:
+    return children["patched"]
+
+
+def _failed_with(result: dict, error: str) -> None:
+    assert not result["ok"], f"expected the unpatched snippet to fail with {error!r}, it worked: {result}"
+    assert error in result["error"], result
+
+
+def _worked(result: dict) -> dict:
+    assert result["ok"], result.get("trace", result)
+    return result
+
+
+def test_apply_is_idempotent_and_names_its_patches(patched):
+    from megatron_patches import PATCHES
+
+    assert patched["apply"]["first"] == list(PATCHES) == patched["apply"]["again"]
+
+
+def test_rng_tracker_uses_cpu_generator(unpatched, patched):
+    _failed_with(unpatched["rng"], "Torch not compiled with CUDA enabled")
+    result = _worked(patched["rng"])
+    assert result["fork_ok"] and result["default_ok"], result
+
+
+def test_cuda_device_calls_map_to_cpu(unpatched, patched):
+    _failed_with(unpatched["cuda_device"], "Torch not compiled with CUDA enabled")
+    result = _worked(patched["cuda_device"])
+    assert result["buffer"] == [[2, 3], "cpu"]
+    assert result["moved"] == [0.0, 1.0, 2.0, 3.0] and result["moved_dtype"] == "torch.float64"
+    assert result["made"] == [[0.0, 0.0, 0.0], "cpu"]
+    assert result["device"] == "cpu"
+
+
+def test_tensor_type_scoped_to_optimizer_checks(unpatched, patched):
+    _failed_with(unpatched["tensor_type"], "AssertionError")
+    assert "param.grad.type() == 'torch.cuda.FloatTensor'" in unpatched["tensor_type"]["trace"]
+    result = _worked(patched["tensor_type"])
+    assert result["grad"] == pytest.approx([1.0 / (10.0 + 1e-6)] * 4, abs=1e-7)
+    assert result["type_outside"] == "torch.FloatTensor"  # Tensor.type is only renamed inside the optimizer
+
+
+def test_torch_norm_accepts_sequence_parallel_and_tags_params(unpatched, patched):
+    _failed_with(unpatched["norm_sp"], "sequence parallel not supported by torch LayerNorm")
+    result = _worked(patched["norm_sp"])
+    assert result["tagged"] and result["config_sp_kept"]
+    assert result["diff"] < 1e-6
+    assert result["helper_tagged"] == 2 and result["linear_untagged"]
+
+
+def test_moe_router_without_transformer_engine(unpatched, patched):
+    _failed_with(unpatched["moe"], "NameError: name 'te_general_gemm' is not defined")
+    result = _worked(patched["moe"])
+    assert result["diff"] < 1e-5 and result["grad_diff"] < 1e-5
+
+
+def test_unsupported_version_is_refused_before_patching(unpatched):
+    result = _worked(unpatched["version_guard"])
+    assert result["raised"] and "0.21.0" in result["raised"] and ">=0.16,<0.20" in result["raised"]
+    assert "pip install" in result["raised"]
+    assert result["untouched"] and result["applied"] == []
+
+
+def test_apply_is_noop_with_cuda(unpatched):
+    result = _worked(unpatched["cuda_noop"])
+    assert result["result"] == [] and result["applied"] == []
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "1.0.0", "not-a-version"])
+def test_check_version_refuses(version):
+    from megatron_patches import UnsupportedMegatronVersion, check_version
+
+    with pytest.raises(UnsupportedMegatronVersion, match="megatron-core"):
+        check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.16.0", "0.16.1", "0.19.2"])
+def test_check_version_accepts(version):
+    from megatron_patches import check_version
+
+    check_version(version)
