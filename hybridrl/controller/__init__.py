@@ -5,6 +5,11 @@
                                            layout=ParallelLayout(tp=2, dp=2))
     out = groups["actor"].generate(batch)        # a @register(dispatch=Dispatch.DP_COMPUTE) method
 """
+# ruff: noqa: E402
+from hybridrl.controller.ray_cluster import _ray_environment
+
+_ray_environment()  # before anything imports ray: loopback, no usage stats, consistent auth
+
 from hybridrl.controller.dispatch import Dispatch, MethodSpec, register
 from hybridrl.controller.ray_cluster import ensure_ray, init_local_ray, shutdown_ray
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError

@@ -49,11 +49,20 @@ def init_local_ray(num_devices: int, num_cpus: int | None = None,
 
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this driver; use ensure_ray() to reuse it")
+    from ray._private import ray_constants
+
+    # Ray reads this switch when it is first imported; a driver that imported ray before us would
+    # advertise the routable address instead of loopback. The local cluster must stay on 127.0.0.1.
+    ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(address="local", num_gpus=num_devices, num_cpus=num_cpus or os.cpu_count() or 1,
              include_dashboard=False, object_store_memory=object_store_bytes, _node_ip_address=LOOPBACK,
              log_to_driver=log_to_driver, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": worker_python_path(), "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
     resources = ray.cluster_resources()
+    if f"node:{LOOPBACK}" not in resources:
+        ray.shutdown()
+        raise RuntimeError(f"local Ray did not bind to {LOOPBACK} (resources {sorted(resources)}); "
+                           "set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray")
     logger.info("local Ray up on %s: %s", LOOPBACK, resources)
     return resources
 

@@ -160,11 +160,16 @@ class _PoolHosts:
                                                 max_restarts=0, name=None).remote(
                 pool.name, rank, pool.world_size, local_rank, pool.devices_per_node))
         what = f"pool {pool.name!r} start"
-        self.info = _wait_ranks({r: a.info.remote() for r, a in enumerate(self.actors)}, pool.name, what, start_timeout_s)
-        address, port = _wait_ranks({0: self.actors[0].publish_master_address.remote()}, pool.name, what,
-                                    start_timeout_s)[0]
-        _wait_ranks({r: a.init_process_group.remote(address, port, process_group_timeout_s)
-                     for r, a in enumerate(self.actors)}, pool.name, "init_process_group", start_timeout_s)
+        try:
+            self.info = _wait_ranks({r: a.info.remote() for r, a in enumerate(self.actors)}, pool.name, what,
+                                    start_timeout_s)
+            address, port = _wait_ranks({0: self.actors[0].publish_master_address.remote()}, pool.name, what,
+                                        start_timeout_s)[0]
+            _wait_ranks({r: a.init_process_group.remote(address, port, process_group_timeout_s)
+                         for r, a in enumerate(self.actors)}, pool.name, "init_process_group", start_timeout_s)
+        except BaseException:
+            self.kill()  # no half-started pool keeps devices
+            raise
         self.master = (address, port)
         self.layout: ParallelLayout | None = None
         self.roles: set[str] = set()
