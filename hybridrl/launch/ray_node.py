@@ -268,6 +268,9 @@ def run_node(args: argparse.Namespace) -> int:
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HYBRIDRL_NODE_NAME=args.node_name,
                HYBRIDRL_NODE_IP=ip)
     env.setdefault("RAY_AUTH_MODE", "disabled")  # every node and the driver must agree (FACTS.md)
+    # Ray's startup waits (agent port files, node registration) are tight for busy nodes
+    env.setdefault("RAY_agent_register_timeout_ms", "120000")
+    env.setdefault("RAY_raylet_start_wait_time_s", "120")
     if args.ip_mode == "loopback":
         env["GLOO_SOCKET_IFNAME"] = "lo"  # collectives between the fake nodes stay on loopback
     stop_requested: list[int] = []
@@ -306,22 +309,35 @@ def run_node(args: argparse.Namespace) -> int:
                 " ".join(cmd))
     import psutil
 
-    child = subprocess.Popen(cmd, env=env)
     me = psutil.Process()
     known: dict[int, psutil.Process] = {}  # every process Ray started here, even after reparenting
     rc = 0
-    while not stop_requested:
-        try:
-            known.update((p.pid, p) for p in me.children(recursive=True))
-        except psutil.Error:
-            pass
-        rc_child = child.poll()
-        if rc_child is not None and not stop_requested:
-            logger.error("node %s: Ray %s exited on its own (rc %s)\n%s", args.node_name, args.role,
-                         rc_child, _log_tail(args.temp_dir))
-            rc = rc_child or 1
+    for attempt in range(1, args.start_attempts + 1):
+        child = subprocess.Popen(cmd, env=env)
+        rc = 0
+        while not stop_requested:
+            try:
+                known.update((p.pid, p) for p in me.children(recursive=True))
+            except psutil.Error:
+                pass
+            rc_child = child.poll()
+            if rc_child is not None and not stop_requested:
+                rc = rc_child or 1
+                break
+            time.sleep(0.5)
+        if stop_requested:
             break
-        time.sleep(0.5)
+        # Ray died on its own. On a crowded node its start can time out (an agent that imports
+        # too slowly); one more try usually succeeds, and a worker can rejoin a live head.
+        logger.log(logging.ERROR if attempt == args.start_attempts else logging.WARNING,
+                   "node %s: Ray %s exited on its own (rc %s, attempt %d/%d)\n%s", args.node_name, args.role,
+                   rc, attempt, args.start_attempts, _log_tail(args.temp_dir))
+        if attempt == args.start_attempts:
+            break
+        stop_ray_processes(args.temp_dir, grace_s=args.grace, also=list(known.values()))
+        subprocess.run(["rm", "-rf", args.temp_dir], check=False)
+        Path(args.temp_dir).mkdir(parents=True, exist_ok=True)
+        logger.info("node %s: starting Ray %s again", args.node_name, args.role)
     if stop_requested:
         logger.info("node %s: signal %d, stopping Ray", args.node_name, stop_requested[0])
     stopped = stop_ray_processes(args.temp_dir, grace_s=args.grace,
@@ -380,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--num-gpus", type=int)
     start.add_argument("--object-store-bytes", type=int)
     start.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    start.add_argument("--start-attempts", type=int, default=2, help="tries when Ray dies on its own")
     start.add_argument("--keep-temp-dir", action="store_true", help="keep Ray's logs after the stop")
 
     stop = sub.add_parser("stop", help="stop the Ray processes of one temp dir")
