@@ -91,6 +91,12 @@ class ProbeWorker(Worker):
         return self.rank
 
 
+class BrokenWorker(Worker):
+    def __init__(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("cannot load checkpoint on rank 1")
+
+
 def make_batch(n: int) -> Batch:
     return Batch({"x": torch.arange(n), "h": torch.randn(n, 3).to(torch.bfloat16)},
                  {"text": [f"prompt {i}" for i in range(n)]})
@@ -206,6 +212,8 @@ def test_separate_pools_are_isolated_and_overlap(two_pools):
 
 
 def test_failures_surface_with_rank_and_cause(two_pools):
+    with pytest.raises(WorkerError, match="role 'broken' rank 1: __init__ failed: RuntimeError: cannot load"):
+        WorkerGroup(two_pools[0], BrokenWorker, role="broken")
     group = WorkerGroup(two_pools[0], ProbeWorker, role="failing")
     with pytest.raises(WorkerError, match="boom at rank 1") as raised:
         group.fail_on(1)
