@@ -1,0 +1,83 @@
+"""Glue between Megatron GPT models (hybridrl.models) and the model-agnostic reshard.
+
+- training_params: a training-layout model's parameters as ShardedParams (global names, Megatron's own
+  partition attributes, the gated-fc1 regroup rule);
+- generation_pg_collection: the process groups a generation-layout GPTModel is built with (strided
+  generation TP groups, generation PP groups; context parallel of size 1);
+- load_generation_weights: copy the reshard's tensors into a generation-layout model.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES
+from hybridrl.hybrid_engine.reshard import ShardedParam
+from hybridrl.parallel.generation import GenerationGroups
+
+logger = logging.getLogger(__name__)
+
+
+def training_params(model: Any, stage: int) -> list[ShardedParam]:
+    """This rank's training shards of a (possibly wrapped) Megatron GPT model on pipeline stage `stage`."""
+    from hybridrl.models.builder import named_global_parameters
+    from hybridrl.models.families import is_gated_fc1, tp_partition_dim
+
+    out = []
+    for name, param in named_global_parameters(model):
+        dim = tp_partition_dim(param)
+        regroup = GATED_HALVES if dim is not None and is_gated_fc1(name) else CONCAT
+        out.append(ShardedParam(name, param.data, dim, stage, regroup))
+    return out
+
+
+def _this_ranks_group(member_lists: list[list[int]], rank: int):
+    mine = None
+    for members in member_lists:  # collective: every rank creates every group, in the same order
+        group = dist.new_group(members)
+        if rank in members:
+            mine = group
+    return mine
+
+
+def generation_pg_collection(groups: GenerationGroups):
+    """ProcessGroupCollection for this rank's generation-layout model (collective over all ranks).
+    Generation models are single-stage here (p_g = 1); the reshard itself handles any p_g."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if groups.gen.pp != 1:
+        raise NotImplementedError(f"a generation-layout model with p_g={groups.gen.pp} stages is not built yet; "
+                                  f"use --gen-pp 1 (the reshard's tensors support any p_g)")
+    rank = dist.get_rank()
+    tp = _this_ranks_group(groups.gen_tp_groups(), rank)
+    single = _this_ranks_group([[r] for r in range(groups.train.world_size)], rank)
+    dp = _this_ranks_group(groups.gen_dp_groups(), rank)
+    pgs = ProcessGroupCollection()
+    pgs.tp, pgs.pp, pgs.cp, pgs.mp, pgs.tp_cp = tp, single, single, tp, tp
+    pgs.dp, pgs.dp_cp = dp, dp
+    pgs.embd, pgs.pos_embd = None, None  # one stage: no embedding sync across stages
+    return pgs
+
+
+@torch.no_grad()
+def load_generation_weights(gen_model: Any, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Copy resharded tensors into a generation-layout model; returns the names it did not use (e.g. the
+    last stage's copy of tied embeddings). A model parameter without a tensor is an error."""
+    from hybridrl.models.builder import named_global_parameters
+
+    used = set()
+    for name, param in named_global_parameters(gen_model):
+        if name not in tensors:
+            raise KeyError(f"the reshard produced no tensor for generation parameter {name}")
+        src = tensors[name]
+        if tuple(src.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: resharded shape {list(src.shape)} != generation model {list(param.shape)}")
+        param.copy_(src)
+        used.add(name)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        logger.debug("generation model did not use %s", unused)
+    return unused
