@@ -32,7 +32,7 @@ def slurm() -> None:
     assert sum(1 for line in nodes if line.strip()) >= 2, nodes
 
 
-def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def submit(*args: str, timeout: float = 700) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridrl.cli", "submit", *args], capture_output=True, text=True,
                           env=_env(), cwd=ROOT, timeout=timeout)
 
@@ -105,7 +105,7 @@ def test_cluster_check_across_two_slurm_nodes(slurm, tmp_path):
     try:
         proc = submit("--command", command, "--nodes", "2", "--gpus-per-node", "0", "--ip-mode", "loopback",
                       "--time", "5", "--job-name", "hr-test-check", "--run-dir", str(run_dir),
-                      "--ray-object-store-mb", "100", "--ray-join-timeout", "150", "--wait", "--wait-timeout", "280")
+                      "--ray-object-store-mb", "100", "--ray-join-timeout", "300", "--wait", "--wait-timeout", "600")
     finally:
         cancel(run_dir)
     job_id = (run_dir / "job_id").read_text().strip()
@@ -174,7 +174,7 @@ def test_ray_node_that_cannot_start_fails_the_job_fast(slurm, tmp_path, blocked_
         proc = submit("--command", "true", "--nodes", "2", "--gpus-per-node", "0", "--ip-mode", "loopback",
                       "--time", "5", "--job-name", "hr-test-fail", "--run-dir", str(run_dir),
                       "--ray-port-base", str(port_base), "--ray-object-store-mb", "100",
-                      "--ray-join-timeout", "240", "--wait", "--wait-timeout", "230")
+                      "--ray-join-timeout", "300", "--wait", "--wait-timeout", "400")
     finally:
         blocker.close()
         cancel(run_dir)
