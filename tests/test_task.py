@@ -68,6 +68,9 @@ def test_reward_hand_values():
     assert reward("digits: kt", "7 7 7") == 0.6
     assert reward("vowels: kt", "") == 0.0
     assert reward("vowels: kt", "zzz") == 0.0
+    assert reward("vowels: kt", "a") == 0.25  # short answers are divided by min_length=4
+    assert reward("vowels: kt", "a", min_length=1) == 1.0
+    assert reward("vowels: kt", "eeeeeeeeeeeeeeee") == 1.0
     with pytest.raises(ValueError, match="target_set"):
         reward("say something", "aeiou")
 

@@ -7,11 +7,13 @@ in [0, 1]; the trainer passes each prompt row's extra columns as keyword argumen
 
 Both bundled tasks use one reward, `charset_reward`: each prompt names a character set followed by a
 few random consonants, e.g. ``"vowels: qzkt"``, and the reward is the fraction of response characters
-that belong to the named set (0 for an empty response).
+that belong to the named set, divided by at least 4 (so an empty or very short answer earns little).
 
 - "vowels" (the default of `hybridrl train`): every prompt asks for vowels. A uniform random policy
-  over the 64-token character vocabulary scores ~0.07; a tiny random Llama trained with ReMax
-  (Adam lr 1e-2, temperature 1, 16 new tokens, 16-32 prompts a step) passes 0.8 within 15-35 steps.
+  over the 64-token character vocabulary scores ~0.08; a tiny random Llama (hidden 64, 2-4 layers)
+  trained with ReMax (Adam lr 1e-2, temperature 1, 16 new tokens, 16 prompts a step, KL coefficient
+  <= 0.001) passes 0.8 mean sampled reward within 16-26 steps and ends near 1.0 by step 40. A k1
+  per-token KL penalty of 0.01 slows this markedly (summed over 16 tokens it rivals the reward).
 - "charset": half the prompts ask for vowels, half for digits (random policy ~0.12). The policy must
   read the prompt; the same recipe plateaus near 0.5 for a while (one set learnt first), so it needs
   more steps. It is there to exercise prompt-dependent rewards and row metadata.
@@ -33,17 +35,18 @@ CHARACTER_SETS: dict[str, str] = {
 }
 
 
-def charset_reward(prompt: str, response: str, target_set: str | None = None, **_: Any) -> float:
-    """Fraction of `response` characters that are in the set the prompt asks for.
+def charset_reward(prompt: str, response: str, target_set: str | None = None, min_length: int = 4,
+                   **_: Any) -> float:
+    """Fraction of response characters in the set the prompt asks for, over max(len(response), min_length).
 
-    `target_set` (a row metadata column of the bundled prompt file) gives the allowed characters; without
-    it the set is read from the prompt's first word ("vowels: ..." / "digits: ...").
+    `target_set` (a row metadata column of the bundled prompt files) gives the allowed characters; without
+    it the set is read from the prompt's first word ("vowels: ..." / "digits: ..."). Dividing by at least
+    `min_length` gives stopping right away (an empty or one-character answer) little credit, so the policy
+    does not learn to end every answer early, where one wrong character costs everything.
     """
     allowed = target_set if target_set is not None else _charset_from_prompt(prompt)
-    if not response:
-        return 0.0
     hits = sum(1 for char in response if char in allowed)
-    return hits / len(response)
+    return hits / max(len(response), min_length, 1)
 
 
 def _charset_from_prompt(prompt: str) -> str:
@@ -56,9 +59,10 @@ def _charset_from_prompt(prompt: str) -> str:
     return CHARACTER_SETS[name]
 
 
-def charset_oracle(prompt: str, target_set: str | None = None, **_: Any) -> str:
-    """A response that scores 1.0 (used by tests)."""
-    return target_set if target_set is not None else _charset_from_prompt(prompt)
+def charset_oracle(prompt: str, target_set: str | None = None, min_length: int = 4, **_: Any) -> str:
+    """A response that scores 1.0 (used by tests): the allowed characters, repeated up to `min_length`."""
+    allowed = target_set if target_set is not None else _charset_from_prompt(prompt)
+    return (allowed * min_length)[: max(len(allowed), min_length)]
 
 
 def make_charset_rows(num_rows: int = 400, seed: int = 0,
