@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+import warnings
 from types import ModuleType
 
 from megatron_patches._base import CHECKED_ON, SUPPORTED, UnsupportedMegatronVersion, check_version
@@ -31,6 +32,11 @@ PATCHES = ("rng", "cuda_device", "tensor_type", "norm_sp", "moe")
 
 __all__ = ["apply", "applied", "check_version", "mark_sequence_parallel_params", "needed",
            "UnsupportedMegatronVersion", "SUPPORTED", "CHECKED_ON", "PATCHES"]
+
+# Warnings that only say "this is a CPU process" (no TE/Apex, no CUDA_DEVICE_MAX_CONNECTIONS), repeated by
+# every rank of every test: silenced where the shims apply.
+CPU_NOISE = (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
+             r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE")
 
 _lock = threading.Lock()
 _applied: list[str] = []
@@ -58,6 +64,8 @@ def apply() -> list[str]:
     with _lock:
         if _applied:
             return list(_applied)
+        for message in CPU_NOISE:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
         import megatron.core
 
         version = megatron.core.__version__
