@@ -30,6 +30,7 @@ def test_dp_compute_split_and_collect(layout: ParallelLayout, n: int, pad: bool)
     spec = MethodSpec(Dispatch.DP_COMPUTE, pad=pad)
     plan = plan_call(spec, layout, "score", (batch(n), 0.5), {"extra": batch(n)})
     assert sorted(plan.rank_args) == list(range(layout.world_size))
+    assert plan.keep_ranks == set(layout.collect_ranks())  # only collected ranks send data back
     shards = {}
     for rank, (args, kwargs) in plan.rank_args.items():
         dp = layout.coords(rank).dp
@@ -45,7 +46,8 @@ def test_dp_compute_split_and_collect(layout: ParallelLayout, n: int, pad: bool)
         assert out["text"].tolist() == [f"p{i}" for i in range(n) for _ in range(per_row)]
         # rows come from TP rank 0 of the last PP stage of their DP replica
         assert all(layout.is_collect_rank(int(r)) for r in out["rank"])
-    assert plan.collect({r: len(plan.rank_args[r][0][0]) for r in plan.rank_args}) == sizes
+    assert plan.collect({r: len(plan.rank_args[r][0][0]) if r in plan.keep_ranks else None
+                         for r in plan.rank_args}) == sizes
 
 
 def test_dp_compute_rejects_bad_input():

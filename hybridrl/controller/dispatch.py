@@ -58,6 +58,8 @@ class CallPlan:
 
     rank_args: dict[int, tuple[tuple, dict]]  # only ranks that run
     collect: Callable[[dict[int, Any]], Any]   # results of the ranks in rank_args -> the call's value
+    keep_ranks: frozenset[int] | None = None   # ranks whose return value is needed (None: all); the others
+                                               # send back only success or failure, not their data
 
 
 def plan_call(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
@@ -116,4 +118,4 @@ def _plan_dp_compute(spec: MethodSpec, layout: ParallelLayout, method: str, args
             return merged
         return outputs
 
-    return CallPlan(rank_args, collect)
+    return CallPlan(rank_args, collect, frozenset(collect_ranks))

@@ -182,10 +182,14 @@ class WorkerHost:
         if not self.roles:
             self.layout = None  # Megatron state stays until the next init_model_parallel rebuilds it
 
-    def call(self, hybridrl_role: str, hybridrl_method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run role.method(*args); Ray resolves top-level ObjectRef args (shared shards) before this runs."""
+    def call(self, hybridrl_role: str, hybridrl_method: str, hybridrl_keep_result: bool, *args: Any,
+             **kwargs: Any) -> Any:
+        """Run role.method(*args); Ray resolves top-level ObjectRef args (shared shards) before this runs.
+        Without keep_result only success (None) or a RemoteFailure goes back: ranks whose output the
+        driver does not collect (TP > 0, earlier PP stages) send no data."""
         try:
-            return getattr(self.roles[hybridrl_role], hybridrl_method)(*args, **kwargs)
+            result = getattr(self.roles[hybridrl_role], hybridrl_method)(*args, **kwargs)
+            return result if hybridrl_keep_result else None
         except BaseException as exc:  # noqa: BLE001 - reported to the driver with rank and traceback
             return self._failure(hybridrl_role, hybridrl_method, exc)
 

@@ -57,10 +57,14 @@ def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method
     if not pending:
         return True
     ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+    try:  # one round trip for all ready results; on any error, go rank by rank to name the culprit
+        values = dict(zip(ready, ray.get(ready, timeout=60)))
+    except Exception:  # noqa: BLE001
+        values = {}
     for ref in ready:
         rank = pending.pop(ref)
         try:
-            value = ray.get(ref, timeout=60)
+            value = values[ref] if ref in values else ray.get(ref, timeout=60)
         except RayActorError as exc:
             raise WorkerDiedError(role, rank, method, f"worker process died: {exc}") from exc
         except RayTaskError as exc:  # the host itself failed (not the role's code)
@@ -272,8 +276,9 @@ class WorkerGroup:
 
         refs = {}
         for rank, (rank_args, rank_kwargs) in plan.rank_args.items():
+            keep = plan.keep_ranks is None or rank in plan.keep_ranks
             refs[rank] = self._hosts.actors[rank].call.remote(
-                self.role, method, *[stored_ref(a) for a in rank_args],
+                self.role, method, keep, *[stored_ref(a) for a in rank_args],
                 **{k: stored_ref(v) for k, v in rank_kwargs.items()})
         return GroupFuture(self.role, method, refs, plan.collect, spec.timeout_s or self.call_timeout_s)
 
