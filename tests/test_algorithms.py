@@ -267,3 +267,46 @@ def test_algorithm_registry_and_validation():
         alg.validate_algorithm("safe_rlhf")
     with pytest.raises(ValueError, match="algorithm.name='dpo'"):
         alg.get_algorithm("dpo")
+
+
+# ---------------------------------------------------------------- the trainer's entry point
+
+
+def test_compute_advantages_dispatch():
+    from hybridrl.algorithms.compute import compute_advantages
+
+    mask = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    kl = T([[0.1, 0.2, 0.3], [0.5, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    # the same worked example as test_remax_with_and_without_kl_penalty
+    out = compute_advantages("remax", T([1.0, 0.2, 0.5]), mask, kl=kl, kl_coef=0.5, baseline_scores=T([0.4, 0.7, 0.9]))
+    close(out.advantages, [[0.3, 0.35, 0.45], [-0.75, 0, 0], [0, 0, 0]])
+    close(out.token_rewards, [[-0.05, -0.1, 0.85], [-0.05, 0, 0], [0, 0, 0]])
+    out = compute_advantages("reinforce_pp", T([1.0, 0.2, 0.5]), mask, kl=kl, kl_coef=0.5)
+    close(out.returns, [[0.7, 0.75, 0.85], [-0.05, 0, 0], [0, 0, 0]])
+    # group estimators score a response by its penalised sum: 1 - .5 * (.2 + .2) = .8 and 0;
+    # mean .4, unbiased std sqrt(2 * .4^2 / 1) = sqrt(.32)
+    pair_mask, pair_kl = torch.ones(2, 2), T([[0.2, 0.2], [0.0, 0.0]])
+    out = compute_advantages("grpo", T([1.0, 0.0]), pair_mask, kl=pair_kl, kl_coef=0.5, index=T([0, 0]))
+    close(out.advantages, [[0.4 / math.sqrt(0.32)] * 2, [-0.4 / math.sqrt(0.32)] * 2])
+    out = compute_advantages("rloo", T([1.0, 0.0]), pair_mask, kl=pair_kl, kl_coef=0.5, index=T([0, 0]))
+    close(out.advantages, [[0.8, 0.8], [-0.8, -0.8]])
+    # PPO: the GAE worked example (rewards on the last tokens: 1 and 2), whitened
+    gae_mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    values = T([[0.5, 0.6, 0.7], [1.0, 1.0, 9.0]])
+    out = compute_advantages("ppo", T([1.0, 2.0]), gae_mask, values=values, gamma=0.9, lam=0.5)
+    close(out.returns, [[0.61425, 0.765, 1.0], [1.35, 2.0, 0.0]])
+    close(alg.masked_mean(out.advantages, gae_mask), 0.0)
+    # Safe-RLHF, T = 1, gamma = lam = 1: reward A = [.5, -.5], cost A = [-.2, .8], lambda 1 ->
+    # [.35, -.65] -> whitened (mean -.15, std sqrt(.5)) -> [1/sqrt2, -1/sqrt2]
+    out = compute_advantages("safe_rlhf", T([1.0, 0.0]), torch.ones(2, 1), values=T([[0.5], [0.5]]),
+                             cost_scores=T([0.0, 1.0]), cost_values=T([[0.2], [0.2]]), lagrange_multiplier=1.0,
+                             gamma=1.0, lam=1.0)
+    close(out.advantages, [[1 / math.sqrt(2)], [-1 / math.sqrt(2)]], tol=1e-4)
+    close(out.returns, [[1.0], [0.0]])
+    close(out.cost_returns, [[0.0], [1.0]])
+    with pytest.raises(ValueError, match="'remax' needs baseline_scores"):
+        compute_advantages("remax", T([1.0]), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="'grpo' needs index"):
+        compute_advantages("grpo", T([1.0]), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="'safe_rlhf' needs cost_scores"):
+        compute_advantages("safe_rlhf", T([1.0]), torch.ones(1, 2), values=torch.zeros(1, 2))

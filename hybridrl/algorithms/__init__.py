@@ -2,6 +2,7 @@
 from hybridrl.algorithms.advantages import (apply_kl_penalty, discounted_returns, gae, grpo_outcome,
                                             last_token_index, place_sequence_rewards, reinforce_plus_plus, remax,
                                             rloo, safe_rlhf_combine)
+from hybridrl.algorithms.compute import AdvantageResult, compute_advantages
 from hybridrl.algorithms.kl_control import (AdaptiveKL, FixedKL, KLController, LinearDecayKL, ScheduledKL,
                                             build_kl_controller)
 from hybridrl.algorithms.lagrangian import LagrangeMultiplier
@@ -11,7 +12,7 @@ from hybridrl.algorithms.losses import (aggregate_loss, entropy_from_logits, ent
 from hybridrl.algorithms.registry import ALGORITHMS, AlgorithmSpec, get_algorithm, validate_algorithm
 
 __all__ = [
-    "ALGORITHMS", "AdaptiveKL", "AlgorithmSpec", "FixedKL", "KLController", "LagrangeMultiplier", "LinearDecayKL",
+    "ALGORITHMS", "AdaptiveKL", "AdvantageResult", "AlgorithmSpec", "compute_advantages", "FixedKL", "KLController", "LagrangeMultiplier", "LinearDecayKL",
     "ScheduledKL", "aggregate_loss", "apply_kl_penalty", "build_kl_controller", "discounted_returns",
     "entropy_from_logits", "entropy_loss", "gae", "get_algorithm", "grpo_outcome", "kl_loss", "kl_penalty",
     "last_token_index", "log_probs_from_logits", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
