@@ -17,6 +17,7 @@ for norms built after `apply()`, which are tagged already).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import threading
 import warnings
@@ -76,6 +77,9 @@ def apply() -> list[str]:
         for name, module in zip(PATCHES, modules):
             module.apply()
             _applied.append(name)
+        if importlib.util.find_spec("psutil") is None:  # undeclared dependency of dist_checkpointing.save
+            logger.warning("psutil is not installed: megatron.core.dist_checkpointing.save will fail; "
+                           "pip install psutil")
         logger.info("megatron_patches: applied %s for megatron-core %s (CPU/gloo)", ", ".join(_applied), version)
         return list(_applied)
 

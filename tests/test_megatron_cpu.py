@@ -22,6 +22,9 @@ SAMPLES = 4  # global batch; micro-batch size 1
 # the clip path (a patched site) really scales the grads.
 LR, ADAM_EPS, CLIP = 1e-2, 1e-3, 0.05
 
+# These run Megatron through gloo on CPU with the shims; a CUDA machine runs the nccl/GPU path instead.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo path (megatron_patches) only")
+
 _reference_cache: dict = {}
 
 
