@@ -12,7 +12,8 @@ from hybridrl.algorithms.losses import (aggregate_loss, entropy_from_logits, ent
 from hybridrl.algorithms.registry import ALGORITHMS, AlgorithmSpec, get_algorithm, validate_algorithm
 
 __all__ = [
-    "ALGORITHMS", "AdaptiveKL", "AdvantageResult", "AlgorithmSpec", "compute_advantages", "FixedKL", "KLController", "LagrangeMultiplier", "LinearDecayKL",
+    "ALGORITHMS", "AdaptiveKL", "AdvantageResult", "AlgorithmSpec", "FixedKL", "KLController", "LagrangeMultiplier",
+    "LinearDecayKL", "compute_advantages",
     "ScheduledKL", "aggregate_loss", "apply_kl_penalty", "build_kl_controller", "discounted_returns",
     "entropy_from_logits", "entropy_loss", "gae", "get_algorithm", "grpo_outcome", "kl_loss", "kl_penalty",
     "last_token_index", "log_probs_from_logits", "masked_mean", "masked_sum", "masked_var", "masked_whiten",

@@ -73,10 +73,13 @@ def _group_stats(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tenso
     _, group = torch.unique(index, return_inverse=True)
     num_groups = int(group.max()) + 1 if group.numel() else 0
     scores = scores.float()
-    size = torch.zeros(num_groups, dtype=torch.float32, device=scores.device).index_add_(0, group, torch.ones_like(scores))
-    total = torch.zeros(num_groups, dtype=torch.float32, device=scores.device).index_add_(0, group, scores)
-    mean = total / size
-    sq = torch.zeros(num_groups, dtype=torch.float32, device=scores.device).index_add_(0, group, (scores - mean[group]) ** 2)
+
+    def group_sum(per_row: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(num_groups, dtype=torch.float32, device=scores.device).index_add_(0, group, per_row)
+
+    size = group_sum(torch.ones_like(scores))
+    mean = group_sum(scores) / size
+    sq = group_sum((scores - mean[group]) ** 2)
     std = torch.where(size > 1, (sq / (size - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
     return size[group], mean[group], std[group]
 
