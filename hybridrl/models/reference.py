@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,16 +39,17 @@ def _compute(model_dir: str, input_ids: torch.Tensor, labels: torch.Tensor | Non
     if labels is not None:
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss.backward()
-        ref.loss = float(loss)
+        ref.loss = loss.item()
         ref.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return ref
 
 
 def _child(conn, *args) -> None:
+    # plain pickle: Connection.send would share tensors through fds that die with this process
     try:
-        conn.send(("ok", _compute(*args)))
+        conn.send_bytes(pickle.dumps(("ok", _compute(*args))))
     except BaseException as exc:  # noqa: BLE001 - hand the error to the parent
-        conn.send(("error", repr(exc)))
+        conn.send_bytes(pickle.dumps(("error", repr(exc))))
 
 
 def hf_reference(model_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -61,7 +63,7 @@ def hf_reference(model_dir: str | Path, input_ids: torch.Tensor, labels: torch.T
     try:
         if not parent.poll(timeout_s):
             raise TimeoutError(f"HF reference for {model_dir} took more than {timeout_s:.0f}s")
-        status, value = parent.recv()
+        status, value = pickle.loads(parent.recv_bytes())
     finally:
         proc.join(timeout=10)
         if proc.is_alive():

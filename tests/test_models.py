@@ -1,0 +1,159 @@
+"""Megatron GPT built from HF configs equals transformers at TP=1, TP=2, PP=2, TP=2xPP=2 (+SP).
+
+Real Megatron-Core through gloo on 4 ranks (one long-lived pool); references from transformers in a
+clean subprocess. Checks: logits (fp32, max abs diff <= 1e-4), loss and every parameter gradient
+(mapped to HF names through the family tables), scalar head vs LlamaForSequenceClassification.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridrl.models.reference import hf_reference
+from hybridrl.models.tiny import create_tiny_model
+from hybridrl.parallel.layout import ParallelLayout
+
+WORLD = 4
+LAYOUTS = [ParallelLayout(tp=1, pp=1, dp=4), ParallelLayout(tp=2, pp=1, dp=2), ParallelLayout(tp=1, pp=2, dp=2),
+           ParallelLayout(tp=2, pp=2, dp=1, sequence_parallel=True)]
+BATCH, SEQ, VOCAB = 2, 16, 256
+ATOL = 1e-4
+GRAD_ATOL = 1e-5
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        # Llama-3 style: GQA (4 heads, 2 kv heads), rope theta 5e5 with llama3 scaling, untied
+        "llama": create_tiny_model(root / "llama", "llama", rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}),
+        # Qwen2: qkv bias, tied embeddings
+        "qwen2": create_tiny_model(root / "qwen2", "qwen2", tie=True, seed=1),
+        "llama_rm": create_tiny_model(root / "llama_rm", "llama", head="seq_cls", seed=2, layers=2),
+    }
+
+
+def _megatron_step(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor, labels: torch.Tensor,
+                   head: str = "lm"):
+    """One forward+backward at `layout`; rank 0 returns (full logits, loss, {hf_name: full grad})."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights, named_global_parameters
+    from hybridrl.models.families import tp_gather, tp_partition_dim
+    from hybridrl.parallel.distributed import initialize_model_parallel
+
+    initialize_model_parallel(layout)
+    hf_config = load_hf_config(model_dir)
+    model = build_gpt_model(hf_config, head=head, sequence_parallel=layout.sequence_parallel)
+    load_hf_weights(model, model_dir, hf_config)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    outputs = {}
+
+    def loss_func(output):
+        if head == "scalar":
+            outputs["logits"] = output.detach()
+            return output.sum() * 0.0, {}
+        loss_per_token, logits = output
+        outputs["logits"] = gather_from_tensor_model_parallel_region(logits.detach())
+        loss = loss_per_token.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, chunk):
+        output = chunk(input_ids, positions, attention_mask=None)
+        if head == "scalar" or not ps.is_pipeline_last_stage():
+            return output, loss_func
+        logits = output  # [b, s, v/tp]
+        # CE over the TP-split vocab, exactly as Megatron's loss path does it
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        loss = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous().float(), labels.t().contiguous())
+        return (loss, logits), loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+        seq_length=SEQ, micro_batch_size=BATCH, forward_only=head == "scalar")
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    grads = {}
+    if head == "lm":
+        for name, param in named_global_parameters(model):
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            if getattr(param, "sequence_parallel", False):  # SP: each TP rank holds a partial norm grad
+                grad = grad.clone()
+                dist.all_reduce(grad, group=tp_group)
+            dim = tp_partition_dim(param)
+            if dim is not None and layout.tp > 1:
+                shards = [torch.empty_like(grad) for _ in range(layout.tp)]
+                dist.all_gather(shards, grad.contiguous(), group=tp_group)
+                grad = tp_gather(name, shards, dim)
+            for hf_name, tensor in model.hybridrl_family.to_hf(name, grad, hf_config, head):
+                if hf_config.tie_word_embeddings and hf_name == "lm_head.weight":
+                    hf_name = "model.embed_tokens.weight"  # tied: the HF grad is the sum of both uses
+                grads[hf_name] = grads.get(hf_name, 0) + tensor
+    # Gather to global rank 0 (DP replica 0, TP rank 0 of each stage contributes)
+    is_source = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    last = ps.is_pipeline_last_stage()
+    mine = {"grads": grads if is_source else {},
+            "logits": outputs.get("logits") if is_source and last else None,
+            "loss": float(losses[0]["loss"]) if is_source and last and losses else None}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return None
+    merged = {"grads": {}, "logits": None, "loss": None}
+    for item in gathered:
+        for k, v in item["grads"].items():
+            merged["grads"][k] = merged["grads"].get(k, 0) + v
+        merged["logits"] = item["logits"] if item["logits"] is not None else merged["logits"]
+        merged["loss"] = item["loss"] if item["loss"] is not None else merged["loss"]
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_logits_loss_grads_match_transformers_at_every_layout(dist_pool, tiny_models, family):
+    model_dir = tiny_models[family]
+    input_ids, labels = _batch()
+    ref = hf_reference(model_dir, input_ids, labels)
+    pool = dist_pool(WORLD)
+    first_grads = None
+    for layout in LAYOUTS:
+        result = pool.run(_megatron_step, str(model_dir), layout, input_ids, labels)[0]
+        where = f"{family} at {layout.describe()}"
+        assert result["logits"].shape == (BATCH, SEQ, VOCAB), where
+        logit_diff = (result["logits"] - ref.logits).abs().max().item()
+        assert logit_diff <= ATOL, f"{where}: logits differ from transformers by {logit_diff}"
+        assert abs(result["loss"] - ref.loss) <= ATOL, f"{where}: loss {result['loss']} vs {ref.loss}"
+        assert set(result["grads"]) == set(ref.grads), where
+        for name, grad in ref.grads.items():
+            diff = (result["grads"][name] - grad).abs().max().item()
+            assert diff <= GRAD_ATOL, f"{where}: grad of {name} differs by {diff}"
+        if first_grads is None:
+            first_grads = result["grads"]
+        else:  # the same gradients at every layout (not only close to transformers)
+            for name, grad in first_grads.items():
+                assert torch.allclose(result["grads"][name], grad, atol=GRAD_ATOL), f"{where}: {name}"
+
+
+def test_scalar_head_scores_match_sequence_classification(dist_pool, tiny_models):
+    model_dir = tiny_models["llama_rm"]
+    input_ids, _ = _batch(seed=3)
+    ref = hf_reference(model_dir, input_ids, head="seq_cls")
+    pool = dist_pool(WORLD)
+    for layout in (ParallelLayout(tp=2, pp=2, dp=1, sequence_parallel=True), ParallelLayout(tp=1, pp=1, dp=4)):
+        result = pool.run(_megatron_step, str(model_dir), layout, input_ids, None, head="scalar")[0]
+        scores = result["logits"]  # [b, s, 1]
+        assert scores.shape == (BATCH, SEQ, 1)
+        # transformers pools the last token (no pad token in the batch) ...
+        assert (scores[:, -1] - ref.logits).abs().max().item() <= ATOL, layout.describe()
+        # ... and every token's score equals its score head on that token's hidden state
+        assert (scores - ref.token_scores).abs().max().item() <= ATOL, layout.describe()
