@@ -177,7 +177,8 @@ class Batch:
     # ---- rows -------------------------------------------------------------------------------
     def index(self, idx) -> "Batch":
         """Rows by int, slice, list/array/tensor of ints, or boolean mask (always returns a Batch)."""
-        if isinstance(idx, int):
+        if isinstance(idx, (int, np.integer)) and not isinstance(idx, bool):
+            idx = int(idx)
             idx = slice(idx, idx + 1) if idx != -1 else slice(-1, None)
         if isinstance(idx, slice):
             np_idx = idx

@@ -59,6 +59,7 @@ def test_select_pop_union():
 def test_rows_index_split_chunk_concat():
     b = make(7)
     assert b[2]["text"].tolist() == ["p2"] and b[-1]["text"].tolist() == ["p6"]
+    assert b[np.int64(3)]["text"].tolist() == ["p3"]
     assert b[1:3]["text"].tolist() == ["p1", "p2"]
     picked = b.index(torch.tensor([6, 0, 3]))
     assert picked["text"].tolist() == ["p6", "p0", "p3"] and torch.equal(picked["ids"][:, 0], torch.tensor([18, 0, 9]))
