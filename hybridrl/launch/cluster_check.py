@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=int(os.environ.get("SLURM_JOB_NUM_NODES", "1")),
                         help="nodes to span (default: the Slurm job's node count)")
-    parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs each actor takes (0: CPU/gloo)")
+    parser.add_argument("--gpus-per-node", type=int, default=int(os.environ.get("HYBRIDRL_GPUS_PER_NODE", "0")),
+                        help="GPUs each actor takes (0: CPU/gloo; default: the Slurm job's, else 0)")
     parser.add_argument("--run-dir", default=os.environ.get("HYBRIDRL_RUN_DIR", "."),
                         help="where metrics.jsonl goes (default: $HYBRIDRL_RUN_DIR, else .)")
     parser.add_argument("--steps", type=int, default=3)
