@@ -150,7 +150,9 @@ def _generation_logits_on_rank(model_dir, train_tpd, gen_tp_pp, input_ids):
         parts = [torch.empty_like(local) for _ in range(tg)]
         dist.all_gather(parts, local.contiguous(), group=pgs.tp)
     resharder.to_training()
-    return torch.cat(parts, dim=-1)[..., :hf_config.vocab_size], unused, resharder.last_stats.recv_payload_bytes
+    local_numel = sum(prm.tensor.numel() for prm in training_params(train_model, layout.coords(rank).pp))
+    return (torch.cat(parts, dim=-1)[..., :hf_config.vocab_size], unused, resharder.last_stats.recv_payload_bytes,
+            local_numel)
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +175,22 @@ def hf_logits(tiny_llama):
 @pytest.mark.parametrize("train,gen", E2E_LAYOUTS, ids=[f"{a}->{b}" for a, b in E2E_LAYOUTS])
 def test_generation_model_from_reshard_matches_hf(dist_pool, tiny_llama, hf_logits, train, gen):
     input_ids, reference = hf_logits
+    from hybridrl.hybrid_engine.accounting import account
+    from hybridrl.hybrid_engine.model_shapes import model_shapes
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    input_ids, reference = hf_logits
     results = dist_pool(4).run(_generation_logits_on_rank, str(tiny_llama), train, gen, input_ids)
-    for rank, (logits, unused, recv) in enumerate(results):
+    # the plan's shapes (HF model on meta + rule table) against the real Megatron shards and bytes moved
+    plan = HybridEnginePlan(ParallelLayout(tp=train[0], pp=train[1], dp=train[2]),
+                            GenerationLayout(tp=gen[0], pp=gen[1]), model_shapes(str(tiny_llama)), dtype_bytes=4)
+    costs = account(plan, "hybrid").ranks
+    for rank, (logits, unused, recv, local_numel) in enumerate(results):
         assert unused == [], rank
         assert (logits - reference).abs().max().item() <= 1e-4, rank
+        assert 4 * local_numel == plan.training_bytes(rank), rank
+        assert recv == costs[rank].recv_payload, rank
     if train[0] * train[1] > gen[0] * gen[1]:
-        assert all(recv > 0 for _, _, recv in results)  # weights really moved between ranks
+        assert all(r[2] > 0 for r in results)  # weights really moved between ranks
