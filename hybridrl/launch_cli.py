@@ -72,6 +72,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", action="store_true",
                         help="wait for the job to finish; exit with its exit code")
     parser.add_argument("--wait-timeout", type=float, help="with --wait: give up waiting after this many seconds")
+    _accept_overrides_anywhere(parser)
+
+
+def _accept_overrides_anywhere(parser: argparse.ArgumentParser) -> None:
+    """argparse fills the positionals at their first occurrence, so `CONFIG --nodes 2 key=value`
+    would reject `key=value`: collect such leftovers into `overrides` instead."""
+    parse_known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        parsed, extras = parse_known(args, namespace)
+        overrides = [e for e in extras if "=" in e and not e.startswith("-")]
+        parsed.overrides = list(parsed.overrides or []) + overrides
+        return parsed, [e for e in extras if e not in overrides]
+
+    parser.parse_known_args = parse_known_args  # the `hybridrl` parser calls it for this subcommand
 
 
 def _fail(message: str) -> int:

@@ -43,7 +43,7 @@ def submit_in_process(capsys, *args: str) -> tuple[int, str, str]:
 
     parser = argparse.ArgumentParser()
     launch_cli.add_arguments(parser)
-    rc = launch_cli.run(parser.parse_args(list(args)))
+    rc = launch_cli.run(parser.parse_args(list(args)))  # parse_args: what the `hybridrl` parser does
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 
@@ -198,14 +198,15 @@ def test_dry_run_renders_the_train_job(tmp_path, capsys):
     rc, script, err = submit_in_process(
         capsys, str(config), "actor.lr=1e-6", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
         "--time", "1-00:00:00", "--run-dir", str(tmp_path / "run dir"), "--env", "NCCL_DEBUG=WARN",
-        "--sbatch-arg=--account=rl", "--dry-run")
+        "--sbatch-arg=--account=rl", "--dry-run", "data.max_prompt_len=512")  # overrides also after options
     assert rc == 0, err
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --time=1-00:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@180",
                  "#SBATCH --account=rl", "#SBATCH --ntasks-per-node=1", "export NCCL_DEBUG=WARN",
                  f"RUN_DIR='{tmp_path / 'run dir'}'", "GPUS_PER_NODE=8", "IP_MODE=auto"):
         assert line in script, line
-    assert f"COMMAND=({sys.executable} -m hybridrl.cli train {config} actor.lr=1e-6 trainer.resume=auto)" in script
+    assert (f"COMMAND=({sys.executable} -m hybridrl.cli train {config} actor.lr=1e-6 data.max_prompt_len=512 "
+            "trainer.resume=auto)") in script
     assert "{{" not in script.replace("({{placeholders}}", "")
     assert not (tmp_path / "run dir").exists()
     # the rendered script is valid bash
