@@ -172,8 +172,6 @@ def render(template: str, values: dict[str, str]) -> str:
 
 def render_script(args: argparse.Namespace, command: list[str], run_dir: Path) -> str:
     template = Path(args.template).read_text()
-    # only in the header comment: keep the literal {{...}} text of that comment
-    template = template.replace("({{placeholders}} filled in)", "(placeholders filled in)")
     env_exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, _, v in (e.partition("=") for e in args.env))
     values = {
         "sbatch_directives": "\n".join(sbatch_directives(args, run_dir)),
