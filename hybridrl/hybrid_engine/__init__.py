@@ -1,4 +1,6 @@
-"""3D-HybridEngine: the plan (micro-DP groups, strided generation groups), the baselines it is measured
-against, byte / memory accounting and the projected transition cost. Import the submodules directly:
-plan (HybridEnginePlan, STRATEGIES), accounting (account, account_all, table2), model_shapes (model_shapes,
-LLAMA_PRESETS), cost_model (transition_time, Hardware); rank arithmetic is in hybridrl.parallel.generation."""
+"""3D-HybridEngine: the plan (micro-DP groups, strided generation groups), the reshard, the baselines it is
+measured against, byte / memory accounting and the projected transition cost. Import the submodules directly:
+plan (HybridEnginePlan, STRATEGIES), accounting (account, account_all, table2), reshard (Resharder,
+ShardedParam), megatron_adapter (training_params, generation_pg_collection, load_generation_weights),
+model_shapes (model_shapes, LLAMA_PRESETS), cost_model (transition_time, Hardware). Rank arithmetic is in
+hybridrl.parallel.generation."""

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES
-from hybridrl.hybrid_engine.reshard import ShardedParam
+from hybridrl.hybrid_engine.reshard import ShardedParam, new_group_of
 from hybridrl.parallel.generation import GenerationGroups
 
 logger = logging.getLogger(__name__)
@@ -35,12 +35,7 @@ def training_params(model: Any, stage: int) -> list[ShardedParam]:
 
 
 def _this_ranks_group(member_lists: list[list[int]], rank: int):
-    mine = None
-    for members in member_lists:  # collective: every rank creates every group, in the same order
-        group = dist.new_group(members)
-        if rank in members:
-            mine = group
-    return mine
+    return new_group_of(rank, member_lists)[1]
 
 
 def generation_pg_collection(groups: GenerationGroups):

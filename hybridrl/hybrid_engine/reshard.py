@@ -1,8 +1,8 @@
 """The reshard: move a model's training-layout shards into the generation layout (and release them again).
 
 Model-agnostic core: it takes this rank's training shards as `ShardedParam`s (global names, partition dim,
-regroup rule, pipeline place) and returns the generation shard's tensors by name. An adapter from a
-Megatron GPTModel to ShardedParams lives with the model code (hybridrl/models) once that lands.
+regroup rule, pipeline place) and returns the generation shard's tensors by name. The Megatron GPT glue
+(training params in, generation-layout model out) is hybrid_engine/megatron_adapter.py.
 
 One all-gather per gather group (the plan's): every member packs its contribution into one flat slot
 (equal slots: padding at the end), the slots are gathered into one buffer, and each rank rebuilds the
@@ -56,7 +56,7 @@ class ReshardStats:
     extra: dict = field(default_factory=dict)
 
 
-def _new_group_of(rank: int, member_lists: list[list[int]]):
+def new_group_of(rank: int, member_lists: list[list[int]]):
     """Create every group (collective: all ranks, same order) and return this rank's (members, group)."""
     mine = None
     for members in member_lists:
@@ -90,7 +90,7 @@ class Resharder:
         else:
             member_lists = [list(train.ranks())]
             owner = self.coords.tp == 0
-        self.members, self.group = _new_group_of(self.rank, member_lists)
+        self.members, self.group = new_group_of(self.rank, member_lists)
         # what this rank puts in: its TP-partitioned shards, plus replicated tensors where it is the owner
         self.contributed = [p for p in params if p.partition_dim is not None or owner]
         meta = ((self.coords.pp, self.coords.tp, self.coords.dp),
