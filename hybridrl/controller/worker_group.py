@@ -56,10 +56,12 @@ def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method
     pending = {ref: rank for rank, ref in refs.items() if rank not in results}
     if not pending:
         return True
-    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
-    try:  # one round trip for all ready results; on any error, go rank by rank to name the culprit
-        values = dict(zip(ready, ray.get(ready, timeout=60)))
-    except Exception:  # noqa: BLE001
+    pending_refs = list(pending)
+    try:  # the common case in one round trip: everything finishes within wait_s
+        values = dict(zip(pending_refs, ray.get(pending_refs, timeout=wait_s)))
+        ready = pending_refs
+    except Exception:  # noqa: BLE001 - not all done, or one failed: take what is ready, rank by rank
+        ready, _ = ray.wait(pending_refs, num_returns=len(pending_refs), timeout=0)
         values = {}
     for ref in ready:
         rank = pending.pop(ref)
