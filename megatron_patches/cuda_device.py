@@ -129,6 +129,12 @@ def apply() -> None:
         replace(cuda.nvtx, name, _noop)
     replace(cuda.nvtx, "range", lambda *args, **kwargs: contextlib.nullcontext())
 
+    # `with torch.device("meta")` (transformers' loading, torch.get_default_device) redirects the
+    # functions in this lru-cached set, compared by identity: build it from the real factories
+    # before they are replaced (the wrappers call them, so the redirect still applies).
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in FACTORIES:
         replace(torch, name, _wrap_factory(getattr(torch, name)))
     tensor = torch.Tensor

@@ -49,7 +49,9 @@ def cuda_device():
     torch.cuda.nvtx.range_push("r"); torch.cuda.nvtx.range_pop()
     stream = torch.cuda.Stream(); stream.wait_stream(torch.cuda.current_stream()); torch.cuda.synchronize()
     made = torch.zeros(3, device="cuda", pin_memory=True)
-    return {"buffer": [list(buf.shape), str(buf.device)], "moved": moved.tolist(), "moved_dtype": str(moved.dtype),
+    with torch.device("meta"):  # the device context still redirects the (wrapped) factories
+        meta = [torch.tensor([]).device.type, torch.zeros(2).device.type, torch.arange(3).device.type]
+    return {"meta": meta, "buffer": [list(buf.shape), str(buf.device)], "moved": moved.tolist(), "moved_dtype": str(moved.dtype),
             "made": [made.tolist(), str(made.device)], "device": str(torch.cuda.current_device())}
 
 def tensor_type():
@@ -85,6 +87,24 @@ def moe():
     return {"diff": (out - inp @ weight.t()).abs().max().item(),
             "grad_diff": (inp.grad - weight.sum(0).expand(5, 8)).abs().max().item()}
 
+def transformers_load():
+    # Regression: transformers 5 detects `with torch.device("meta")` through torch.tensor([]).device;
+    # wrapped factories once hid it and from_pretrained left rotary inv_freq uninitialised.
+    import tempfile
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = LlamaForCausalLM(config)
+        built.save_pretrained(tmp)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        ids = torch.arange(8).view(1, 8)
+        with torch.no_grad():
+            logits_diff = (loaded(ids).logits - built(ids).logits).abs().max().item()
+    want = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
+    return {"inv_freq_diff": (loaded.model.rotary_emb.inv_freq - want).abs().max().item(),
+            "logits_diff": logits_diff}
+
 def version_guard():
     import megatron.core, megatron_patches
     real = megatron.core.__version__
@@ -119,6 +139,7 @@ if mode == "patched":
     import megatron_patches
     first, again = megatron_patches.apply(), megatron_patches.apply()
     results = {"apply": {"ok": True, "first": first, "again": again}}
+    CHECKS += [transformers_load]
 else:
     results = {}
     CHECKS += [version_guard, cuda_noop]
@@ -201,6 +222,13 @@ def test_cuda_device_calls_map_to_cpu(unpatched, patched):
     assert result["moved"] == [0.0, 1.0, 2.0, 3.0] and result["moved_dtype"] == "torch.float64"
     assert result["made"] == [[0.0, 0.0, 0.0], "cpu"]
     assert result["device"] == "cpu"
+    assert result["meta"] == ["meta", "meta", "meta"]
+
+
+@cpu_only
+def test_patched_process_still_loads_transformers_models(patched):
+    result = _worked(patched["transformers_load"])
+    assert result["inv_freq_diff"] < 1e-6 and result["logits_diff"] < 1e-5, result
 
 
 @cpu_only
