@@ -55,13 +55,23 @@ class PlainEcho:
 
 def timed(fn, repeats: int) -> float:
     """Median seconds of fn() over repeats (after one warm-up call)."""
-    fn()
-    samples = []
+    return timed_pair(fn, None, repeats)[0]
+
+
+def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
+    """Medians of fn_a() and fn_b(), alternated call by call so that load from other processes on a
+    shared machine hits both sides alike (after one warm-up call each)."""
+    fns = [f for f in (fn_a, fn_b) if f is not None]
+    samples: list[list[float]] = [[] for _ in fns]
+    for f in fns:
+        f()
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for f, out in zip(fns, samples):
+            start = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - start)
+    medians = [statistics.median(s) for s in samples]
+    return medians[0], (medians[1] if len(medians) > 1 else float("nan"))
 
 
 def make_batch(megabytes: int) -> Batch:
@@ -89,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.get([a.noop.remote() for a in plain])
 
     rows = []
-    group_s = timed(group.noop, args.repeats * 5)
-    plain_s = timed(lambda: ray.get([a.noop.remote() for a in plain]), args.repeats * 5)
+    group_s, plain_s = timed_pair(group.noop, lambda: ray.get([a.noop.remote() for a in plain]), args.repeats * 5)
     rows.append({"case": "empty call", "mb": 0, "hybridrl_ms": group_s * 1e3, "plain_ray_ms": plain_s * 1e3,
                  "ratio": group_s / plain_s, "plain_tensors_ms": None})
     for megabytes in args.sizes_mb:
@@ -100,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         repeats = max(3, args.repeats // max(1, megabytes // 8))
         check = group.echo(batch)
         assert check.equals(batch), "echo through the group changed the batch"
-        group_s = timed(lambda: group.echo(batch), repeats)
-        plain_s = timed(lambda: Batch.concat(ray.get([a.echo.remote(s) for a, s in zip(plain, shards)])), repeats)
-        tensors_s = timed(lambda: ray.get([a.echo.remote(s) for a, s in zip(plain, tensor_shards)]), repeats)
+        group_s, plain_s = timed_pair(
+            lambda: group.echo(batch),
+            lambda: Batch.concat(ray.get([a.echo.remote(s) for a, s in zip(plain, shards)])), repeats)
+        # Ray's default tensor pickling is ~100x slower at 128 MB: a single sample is enough there
+        tensors_s = timed(lambda: ray.get([a.echo.remote(s) for a, s in zip(plain, tensor_shards)]),
+                          repeats if megabytes <= 16 else 1)
         rows.append({"case": f"Batch {megabytes} MB", "mb": megabytes, "hybridrl_ms": group_s * 1e3,
                      "plain_ray_ms": plain_s * 1e3, "ratio": group_s / plain_s, "plain_tensors_ms": tensors_s * 1e3})
         del batch, shards, tensor_shards, check
@@ -113,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"   (plain ray, dict of tensors: {row['plain_tensors_ms']:.2f} ms)" if row["plain_tensors_ms"] else ""))
     meta = default_meta() | {
         "workers": NUM_WORKERS, "device": "CPU (Ray fake GPUs, gloo)", "ray": ray.__version__,
-        "torch": torch.__version__, "statistic": "median of timed calls after one warm-up",
+        "torch": torch.__version__, "statistic": "median of timed calls after one warm-up; hybridrl and plain_ray calls alternated",
         "hybridrl": "WorkerGroup call (ONE_TO_ALL no-op; DP_COMPUTE echo: split in 4, collect, concat)",
         "plain_ray": "ray.get of the same calls on bare Ray actors with the same Batch shards (+ Batch.concat)",
         "plain_tensors": "the same shards as dicts of torch tensors (Ray's default tensor pickling), no concat",
