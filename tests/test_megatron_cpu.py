@@ -163,7 +163,8 @@ def _forward_step(data_iterator, model):
     return model(tokens, positions, attention_mask=None), functools.partial(_loss_func, labels)
 
 
-def run_layout(tp: int, pp: int, dp: int, sp: bool = False, optimizer_step: bool = False) -> dict:
+def run_layout(tp: int, pp: int, dp: int, sp: bool = False, optimizer_step: bool = False,
+               overlap_grad_reduce: bool = False) -> dict:
     """Logits/loss/grad differences to the reference for one layout (Megatron DDP, 1F1B when pp > 1).
 
     With optimizer_step, the grads are reduce-scattered for the distributed optimizer (so they are not
@@ -182,9 +183,13 @@ def run_layout(tp: int, pp: int, dp: int, sp: bool = False, optimizer_step: bool
     config = make_config(tp, pp, sp)
     model = build_model(config)
     load_reference_weights(model, ref["weights"])
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optimizer_step)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optimizer_step,
+                                               overlap_grad_reduce=overlap_grad_reduce, bucket_size=4096)
     ddp = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
+    if overlap_grad_reduce:  # buckets reduce asynchronously during backward (streams/events are stand-ins)
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
     if optimizer_step:
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.0, clip_grad=CLIP,
@@ -277,9 +282,11 @@ def _check_layout(results: list[dict], atol_logits: float = 1e-5, atol_grad: flo
             assert r["grad"] < atol_grad, r
 
 
-@pytest.mark.parametrize("tp,pp,dp,sp", [(2, 1, 2, False), (1, 2, 2, False), (2, 2, 1, False), (2, 2, 1, True)])
-def test_layout_matches_tp1(dist_pool, tp, pp, dp, sp):
-    results = dist_pool(4).run(run_layout, tp, pp, dp, sp)
+@pytest.mark.parametrize("tp,pp,dp,sp,overlap", [(2, 1, 2, False, False), (1, 2, 2, False, False),
+                                                 (2, 2, 1, False, False), (2, 2, 1, True, False),
+                                                 (1, 2, 2, False, True)])
+def test_layout_matches_tp1(dist_pool, tp, pp, dp, sp, overlap):
+    results = dist_pool(4).run(run_layout, tp, pp, dp, sp, False, overlap)
     _check_layout(results)
     if sp:
         assert all(r["sp_tagged"] > 0 for r in results)  # norm params tagged for the TP grad all-reduce
