@@ -13,6 +13,12 @@ Each patch is a module naming the upstream site it replaces, the versions it was
 
 Model builders that enable sequence parallel may call `mark_sequence_parallel_params(model)` (a no-op
 for norms built after `apply()`, which are tagged already).
+
+Known limits (CPU): `torch.cuda.current_device()` returns torch.device("cpu"), so code that builds
+`torch.device("cuda", torch.cuda.current_device())` (FSDP, nccl_allocator) still fails; fused kernels,
+Transformer Engine, CUDA graphs, `megatron.core.inference`, virtual pipeline and expert parallel are
+not covered. On 0.19.x `import megatron.core` imports triton (moe/ops/paged_stash.py) before any
+patch can run.
 """
 from __future__ import annotations
 

@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Callable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-logger = logging.getLogger("megatron_patches")
-
-# The megatron-core releases these shims are written for. 0.17-0.19 need Python >= 3.12; the same CPU
-# checks passed on 0.19.2 by hand, CI checks 0.16.1 (the newest release for Python 3.11).
+# The megatron-core releases these shims are written for. 0.17-0.19 need Python >= 3.12 (not testable
+# here); /work/shared/FACTS.md records the same CPU checks passing on 0.19.2. CI checks 0.16.1, the
+# newest release for Python 3.11.
 SUPPORTED = SpecifierSet(">=0.16,<0.20")
 CHECKED_ON = ("0.16.1",)
 

@@ -10,7 +10,7 @@ Fix: the tracker keeps CPU generator states (the CPU generator plays the device 
 the get/set helpers read/write the CPU generator, and `model_parallel_cuda_manual_seed` also seeds
 the CPU generator with the data-parallel seed (the "default state" that must agree across a model
 parallel group).
-Checked on megatron-core 0.16.1 (same code in 0.19.2).
+Checked on megatron-core 0.16.1.
 """
 from __future__ import annotations
 
