@@ -95,16 +95,15 @@ def _megatron_step(model_dir: str, layout: ParallelLayout, input_ids: torch.Tens
                 shards = [torch.empty_like(grad) for _ in range(layout.tp)]
                 dist.all_gather(shards, grad.contiguous(), group=tp_group)
                 grad = tp_gather(name, shards, dim)
+            # tied (PP > 1): output_layer maps to embed_tokens, and the HF grad is the sum of both uses
             for hf_name, tensor in model.hybridrl_family.to_hf(name, grad, hf_config, head):
-                if hf_config.tie_word_embeddings and hf_name == "lm_head.weight":
-                    hf_name = "model.embed_tokens.weight"  # tied: the HF grad is the sum of both uses
                 grads[hf_name] = grads.get(hf_name, 0) + tensor
     # Gather to global rank 0 (DP replica 0, TP rank 0 of each stage contributes)
     is_source = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
     last = ps.is_pipeline_last_stage()
     mine = {"grads": grads if is_source else {},
             "logits": outputs.get("logits") if is_source and last else None,
-            "loss": float(losses[0]["loss"]) if is_source and last and losses else None}
+            "loss": float(losses[0]["loss"]) if is_source and last and head == "lm" else None}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:

@@ -15,8 +15,8 @@ import torch
 
 from hybridrl.models.builder import named_global_parameters, unwrap
 from hybridrl.models.config import CheckpointError
-from hybridrl.models.families import (GATE_UP, PLAIN, QKV, VOCAB, ModelDims, ModelFamily, family_for,
-                                      tp_gather, tp_partition_dim)
+from hybridrl.models.families import (GATE_UP, PLAIN, QKV, VOCAB, ModelDims, ModelFamily, family_for, fuse_qkv,
+                                      is_tied, tp_gather, tp_partition_dim)
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _tp_rank_size(model: Any) -> tuple[int, int]:
 def _read_shard(reader: SafetensorsReader, family: ModelFamily, mcore_name: str, param: torch.Tensor,
                 hf_config: Any, head: str, padded_vocab_size: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's shard of one Megatron parameter, reading only the needed slices."""
-    rule = family.rule(mcore_name, head)
+    rule = family.rule(mcore_name, head, is_tied(hf_config, head))
     dim = tp_partition_dim(param) if tp_size > 1 else None
     d = ModelDims.from_hf(hf_config)
     if dim is None:  # replicated (or TP=1): the full tensor
@@ -152,8 +152,6 @@ def _read_shard(reader: SafetensorsReader, family: ModelFamily, mcore_name: str,
         q = reader.read(rule.hf_names[0], rows=(tp_rank * q_rows, (tp_rank + 1) * q_rows))
         k = reader.read(rule.hf_names[1], rows=(tp_rank * kv_rows, (tp_rank + 1) * kv_rows))
         v = reader.read(rule.hf_names[2], rows=(tp_rank * kv_rows, (tp_rank + 1) * kv_rows))
-        from hybridrl.models.families import fuse_qkv
-
         return fuse_qkv(q, k, v, num_query_groups=groups, head_dim=d.head_dim)
     if rule.kind == GATE_UP:
         rows = d.ffn_hidden // tp_size

@@ -80,6 +80,8 @@ _DECODER_TABLE: dict[str, tuple[str, tuple[str, ...]]] = {
 _QKV_BIAS = {"decoder.layers.{i}.self_attention.linear_qkv.bias":
              (QKV, tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"))}
 _LM_HEAD = {"output_layer.weight": (VOCAB, ("lm_head.weight",))}
+# Tied embeddings: the last stage's output layer (PP > 1) holds a copy of the input embedding.
+_TIED_LM_HEAD = {"output_layer.weight": (VOCAB, ("model.embed_tokens.weight",))}
 _SCORE_HEAD = {"output_layer.weight": (PLAIN, ("score.weight",))}  # scalar head: Linear(h, 1), replicated
 
 
@@ -95,16 +97,19 @@ class ModelFamily:
     qkv_bias: bool
 
     # ---- the name table ------------------------------------------------------------------------
-    def table(self, head: str = "lm") -> dict[str, tuple[str, tuple[str, ...]]]:
+    def table(self, head: str = "lm", tied: bool = False) -> dict[str, tuple[str, tuple[str, ...]]]:
         table = dict(_DECODER_TABLE)
         if self.qkv_bias:
             table.update(_QKV_BIAS)
-        table.update(_SCORE_HEAD if head == "scalar" else _LM_HEAD)
+        if head == "scalar":
+            table.update(_SCORE_HEAD)
+        else:
+            table.update(_TIED_LM_HEAD if tied else _LM_HEAD)
         return table
 
-    def rule(self, mcore_name: str, head: str = "lm") -> ConversionRule:
+    def rule(self, mcore_name: str, head: str = "lm", tied: bool = False) -> ConversionRule:
         """How one Megatron parameter (global layer numbering) maps to HF tensors."""
-        for template, (kind, hf_templates) in self.table(head).items():
+        for template, (kind, hf_templates) in self.table(head, tied).items():
             match = _template_regex(template).match(mcore_name)
             if match:
                 layer = match.groupdict().get("i")
@@ -136,8 +141,11 @@ class ModelFamily:
     # ---- full-tensor conversion (used by the hybrid engine and the vLLM weight sync) -------------
     def to_hf(self, mcore_name: str, tensor: torch.Tensor, hf_config: Any,
               head: str = "lm") -> list[tuple[str, torch.Tensor]]:
-        """A FULL Megatron tensor -> its HF-named tensors (vocab padding stripped)."""
-        rule = self.rule(mcore_name, head)
+        """A FULL Megatron tensor -> its HF-named tensors (vocab padding stripped).
+
+        With tied embeddings a pipeline-last-stage `output_layer.weight` maps to `model.embed_tokens.weight`.
+        """
+        rule = self.rule(mcore_name, head, is_tied(hf_config, head))
         d = ModelDims.from_hf(hf_config)
         if rule.kind == PLAIN:
             return [(rule.hf_names[0], tensor)]
@@ -152,7 +160,7 @@ class ModelFamily:
     def from_hf(self, mcore_name: str, get_hf: Callable[[str], torch.Tensor], hf_config: Any,
                 head: str = "lm", padded_vocab_size: int | None = None) -> torch.Tensor:
         """The FULL Megatron tensor for `mcore_name`, reading HF tensors through `get_hf(name)`."""
-        rule = self.rule(mcore_name, head)
+        rule = self.rule(mcore_name, head, is_tied(hf_config, head))
         d = ModelDims.from_hf(hf_config)
         parts = [get_hf(name) for name in rule.hf_names]
         if rule.kind == PLAIN:
@@ -172,6 +180,10 @@ class ModelFamily:
 LLAMA = ModelFamily("llama", ("LlamaForCausalLM",), ("LlamaForSequenceClassification",), qkv_bias=False)
 QWEN2 = ModelFamily("qwen2", ("Qwen2ForCausalLM",), ("Qwen2ForSequenceClassification",), qkv_bias=True)
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, QWEN2)}
+
+
+def is_tied(hf_config: Any, head: str = "lm") -> bool:
+    return head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False))
 
 
 def supported_architectures() -> list[str]:
