@@ -6,6 +6,7 @@ rows/columns of its own TP shard of the tensors its PP stage owns. Export gather
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -242,8 +243,12 @@ def gather_hf_state_dict(model: Any, hf_config: Any) -> dict[str, torch.Tensor] 
     return result if torch.distributed.get_rank() == 0 else None
 
 
-def export_hf_config(hf_config: Any, out_dir: Path) -> None:
-    hf_config.save_pretrained(str(out_dir))
+def export_hf_config(hf_config: Any, out_dir: Path, dtype: torch.dtype | None = None) -> None:
+    """config.json, recording the dtype the weights were written in."""
+    config = copy.deepcopy(hf_config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(str(out_dir))
 
 
 @torch.no_grad()
@@ -279,6 +284,6 @@ def export_hf_checkpoint(model: Any, hf_config: Any, out_dir: str | Path,
         total = sum(t.nbytes for t in state.values())
         (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                      indent=2))
-    export_hf_config(hf_config, out_dir)
+    export_hf_config(hf_config, out_dir, next(iter(state.values())).dtype if state else None)
     logger.info("wrote HF checkpoint (%d tensors) to %s", len(state), out_dir)
     torch.distributed.barrier()
