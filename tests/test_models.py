@@ -156,3 +156,34 @@ def test_scalar_head_scores_match_sequence_classification(dist_pool, tiny_models
         assert (scores[:, -1] - ref.logits).abs().max().item() <= ATOL, layout.describe()
         # ... and every token's score equals its score head on that token's hidden state
         assert (scores - ref.token_scores).abs().max().item() <= ATOL, layout.describe()
+
+
+def _critic_from_causal_lm(model_dir: str, input_ids: torch.Tensor):
+    """A scalar-head model (critic) from a causal-LM checkpoint: the backbone loads, the head is new."""
+    from hybridrl.models import CheckpointError, build_gpt_model, load_hf_config, load_hf_weights
+    from hybridrl.parallel.distributed import initialize_model_parallel
+
+    initialize_model_parallel(ParallelLayout(tp=2, pp=1, dp=2))
+    hf_config = load_hf_config(model_dir)
+    critic = build_gpt_model(hf_config, head="scalar")
+    try:
+        load_hf_weights(critic, model_dir, hf_config)
+        refused = None
+    except CheckpointError as exc:
+        refused = str(exc)
+    load_hf_weights(critic, model_dir, hf_config, init_missing_score=True)
+    lm = build_gpt_model(hf_config)
+    load_hf_weights(lm, model_dir, hf_config)
+    same_backbone = all(torch.equal(p, dict(lm.named_parameters())[n]) for n, p in critic.named_parameters()
+                        if not n.startswith("output_layer"))
+    with torch.no_grad():
+        values = critic(input_ids, torch.arange(input_ids.shape[1]).unsqueeze(0), attention_mask=None)
+    return refused, same_backbone, tuple(values.shape)
+
+
+def test_critic_from_causal_lm_checkpoint(dist_pool, tiny_models):
+    input_ids, _ = _batch(seed=4)
+    refused, same_backbone, shape = dist_pool(WORLD).run(_critic_from_causal_lm, str(tiny_models["llama"]),
+                                                         input_ids)[0]
+    assert refused is not None and "score.weight" in refused and "init_missing_score=True" in refused
+    assert same_backbone and shape == (BATCH, SEQ, 1)
