@@ -1,8 +1,9 @@
 """Hugging Face transformers reference outputs, computed in a clean subprocess.
 
-Why a subprocess: a process with the CPU shims applied (megatron_patches.apply(), done by every
-hybridrl worker without CUDA) loads transformers 5.x models with wrong non-persistent buffers (the
-rotary `inv_freq` comes out uninitialised), so references must come from a process without them.
+Why a subprocess: the reference must not share anything with the code under test. Processes that
+run Megatron on CPU have the shims applied (megatron_patches.apply() wraps torch factories), and before
+commit 4c56544 that made transformers 5.x load models with an uninitialised rotary `inv_freq`; a clean
+spawned process keeps the reference independent of any such process-global patch.
 """
 from __future__ import annotations
 
