@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import sys
 
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "not_yet", None):
-        print(f"hybridrl {args.not_yet}: not yet implemented in this version", file=sys.stderr)
+        ready = ", ".join(name for name, (module, _) in SUBCOMMANDS.items()
+                          if importlib.util.find_spec(module) is not None)
+        print(f"hybridrl {args.not_yet}: not yet available in this version (in progress). "
+              f"Available now: {ready}.", file=sys.stderr)
         return 2
     return int(args.handler(args) or 0)
 
