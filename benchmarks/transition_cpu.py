@@ -1,0 +1,250 @@
+"""Transition benchmark, part (a): measured training -> generation reshard on CPU gloo, 4 processes.
+
+For several (t, p, d) -> (t_g, p_g) layouts and synthetic Llama-shaped models of a few sizes (fp32, random
+shards shaped by hybrid_engine/model_shapes.py), every strategy (hybrid / ds_chat / hybridflow_v) runs in the
+same processes, interleaved repeat by repeat so machine load hits them alike. Per repeat: barrier, then each
+rank times its own `Resharder.to_generation()`; the repeat's time is the max over ranks; the reported time
+is the median over repeats (after one warm-up). Bytes received per rank come from `last_stats` and are
+printed next to the plan's accounting (hybrid_engine/accounting.py), with a match flag.
+
+    python benchmarks/transition_cpu.py [--repeats 5] [--sizes 8m,32m] [--out benchmarks/results]
+
+Writes transition_cpu.json, transition_cpu.md and transition_cpu.png. Timings are gloo over loopback on a
+shared CPU machine: the ratios, not the absolute times, are the point.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import default_meta, write_results  # noqa: E402
+
+logger = logging.getLogger("benchmarks.transition_cpu")
+
+WORLD = 4
+STRATEGIES = ("hybrid", "ds_chat", "hybridflow_v")
+# (t, p, d) -> (t_g, p_g)
+LAYOUTS = [((4, 1, 1), (2, 1)), ((4, 1, 1), (1, 1)), ((2, 2, 1), (1, 1)), ((2, 1, 2), (1, 1))]
+# Llama-shaped synthetic models: name -> tiny_hf_config kwargs (sizes in fp32 parameters)
+SIZES = {
+    "8m": dict(vocab_size=8192, hidden=256, layers=4, heads=8, kv_heads=4, ffn_hidden=768),
+    "32m": dict(vocab_size=8192, hidden=512, layers=8, heads=8, kv_heads=4, ffn_hidden=1536),
+    "64m": dict(vocab_size=8192, hidden=768, layers=8, heads=8, kv_heads=4, ffn_hidden=2048),
+}
+
+
+def build_shapes(size: str, tmp: Path):
+    """ModelShapes of a synthetic Llama config (built on the meta device; no weights)."""
+    from hybridrl.hybrid_engine.model_shapes import model_shapes
+    from hybridrl.models.tiny import tiny_hf_config
+
+    folder = tmp / size
+    tiny_hf_config("llama", **SIZES[size]).save_pretrained(folder)
+    return model_shapes(str(folder))
+
+
+def _local_params(plan, rank: int, seed: int):
+    """This rank's training shards (random fp32 values, Megatron shard shapes)."""
+    import torch
+
+    from hybridrl.hybrid_engine.reshard import ShardedParam
+
+    c = plan.train.coords(rank)
+    gen = torch.Generator().manual_seed(seed + rank)
+    params = []
+    for spec in plan.shapes.params:
+        stage = plan.train_stage_of(spec)
+        if stage != c.pp:
+            continue
+        shape = list(spec.shape)
+        if spec.partition_dim is not None:
+            if shape[spec.partition_dim] % plan.train.tp:
+                raise ValueError(f"{spec.name}: dim {spec.partition_dim} of {spec.shape} not divisible by "
+                                 f"tp={plan.train.tp}; pick sizes divisible by 4")
+            shape[spec.partition_dim] //= plan.train.tp
+        params.append(ShardedParam(spec.name, torch.randn(shape, generator=gen), spec.partition_dim, stage,
+                                   spec.regroup))
+    return params
+
+
+def _worker(rank: int, port: int, cases: list, repeats: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.hybrid_engine.reshard import Resharder
+    from hybridrl.parallel.distributed import init_distributed
+    from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    torch.set_num_threads(1)
+    init_distributed(rank, WORLD, "127.0.0.1", port)
+    results = []
+    for size, shapes, (t, p, d), (tg, pg) in cases:
+        train, genl = ParallelLayout(tp=t, pp=p, dp=d), GenerationLayout(tp=tg, pp=pg)
+        plan = HybridEnginePlan(train, genl, shapes, dtype_bytes=4)
+        params = _local_params(plan, rank, seed=1000)
+        groups = GenerationGroups(train, genl)
+        resharders = {s: Resharder(groups, params, s) for s in STRATEGIES}
+        times: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+        stats = {}
+        for rep in range(repeats + 1):  # repeat 0 is the warm-up
+            for s in STRATEGIES:  # interleaved: load drift hits every strategy alike
+                dist.barrier()
+                start = time.perf_counter()
+                out = resharders[s].to_generation()
+                elapsed = time.perf_counter() - start
+                stats[s] = resharders[s].last_stats
+                del out
+                resharders[s].to_training()
+                if rep:
+                    times[s].append(elapsed)
+        mine = {s: {"times": times[s], "recv_payload": stats[s].recv_payload_bytes,
+                    "recv_wire": stats[s].recv_wire_bytes, "buffer": stats[s].buffer_bytes,
+                    "generation": stats[s].generation_bytes} for s in STRATEGIES}
+        gathered: list = [None] * WORLD
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            results.append(gathered)
+        del resharders, params
+    dist.barrier()
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def run_cases(cases: list, repeats: int) -> list:
+    import torch.multiprocessing as mp
+
+    from hybridrl.parallel.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, cases, repeats, queue)) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    results = queue.get(timeout=1800)
+    for proc in procs:
+        proc.join(timeout=120)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"worker pid {proc.pid} exited with {proc.exitcode}")
+    return results
+
+
+def make_rows(cases: list, results: list) -> list[dict]:
+    from hybridrl.hybrid_engine.accounting import account
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    rows = []
+    for (size, shapes, (t, p, d), (tg, pg)), per_rank in zip(cases, results):
+        plan = HybridEnginePlan(ParallelLayout(tp=t, pp=p, dp=d), GenerationLayout(tp=tg, pp=pg), shapes, 4)
+        base: dict = {}
+        for s in STRATEGIES:
+            costs = account(plan, s).ranks
+            # per repeat: slowest rank; then median over repeats
+            per_repeat = [max(r[s]["times"][i] for r in per_rank) for i in range(len(per_rank[0][s]["times"]))]
+            recv = [r[s]["recv_payload"] for r in per_rank]
+            wire = [r[s]["recv_wire"] for r in per_rank]
+            plan_recv = [c.recv_payload for c in costs]
+            plan_wire = [c.recv_payload + c.recv_padding for c in costs]
+            row = {"model": size, "params_m": round(shapes.numel / 1e6, 2),
+                   "layout": f"({t},{p},{d})->({tg},{pg})", "strategy": s,
+                   "time_ms": round(1e3 * statistics.median(per_repeat), 2),
+                   "time_ms_all": [round(1e3 * x, 2) for x in per_repeat],
+                   "recv_MB_max": round(max(recv) / 1e6, 3), "recv_MB_mean": round(sum(recv) / len(recv) / 1e6, 3),
+                   "plan_recv_MB_max": round(max(plan_recv) / 1e6, 3),
+                   "wire_MB_max": round(max(wire) / 1e6, 3),
+                   "recv_bytes_per_rank": recv, "plan_recv_bytes_per_rank": plan_recv,
+                   "wire_bytes_per_rank": wire, "plan_wire_bytes_per_rank": plan_wire,
+                   "buffer_MB_max": round(max(r[s]["buffer"] for r in per_rank) / 1e6, 3),
+                   "bytes_match_plan": recv == plan_recv and wire == plan_wire}
+            base[s] = row
+            rows.append(row)
+        for s in STRATEGIES:
+            base[s]["ratio_vs_hybrid"] = round(base[s]["time_ms"] / base["hybrid"]["time_ms"], 2)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["model"], r["layout"]) for r in rows))
+    by = {(r["model"], r["layout"], r["strategy"]): r["time_ms"] for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases)), 4.5))
+    width = 0.27
+    for i, s in enumerate(STRATEGIES):
+        xs = [k + (i - 1) * width for k in range(len(cases))]
+        ax.bar(xs, [by[(m, lay, s)] for m, lay in cases], width, label=s)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([f"{m}\n{lay}" for m, lay in cases], fontsize=7)
+    ax.set_ylabel("to_generation time, ms (median, max over 4 ranks)")
+    ax.set_yscale("log")
+    ax.set_title("Training -> generation transition, CPU gloo, 4 processes, fp32")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up (>= 1)")
+    parser.add_argument("--sizes", default="8m,32m",
+                        help=f"comma list from {list(SIZES)} (default 8m,32m: ~3 min on a loaded 2-core box)")
+    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = parser.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    bad = [s for s in sizes if s not in SIZES]
+    if bad or not sizes:
+        parser.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with tempfile.TemporaryDirectory() as tmp:
+        shapes = {s: build_shapes(s, Path(tmp)) for s in sizes}
+    cases = [(s, shapes[s], train, gen) for s in sizes for train, gen in LAYOUTS]
+    meta = default_meta()
+    meta.update({"world_size": WORLD, "backend": "gloo (CPU, loopback)", "dtype": "fp32",
+                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "repeats": args.repeats,
+                 "warmup": 1, "timing": "per repeat max over ranks of to_generation(), barrier before; "
+                                        "median over repeats; strategies interleaved",
+                 "models": {s: {**SIZES[s], "params": shapes[s].numel} for s in sizes}})
+    start = time.perf_counter()
+    results = run_cases(cases, args.repeats)
+    meta["wall_s"] = round(time.perf_counter() - start, 1)
+    if hasattr(os, "getloadavg"):
+        meta["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    rows = make_rows(cases, results)
+    columns = ["model", "params_m", "layout", "strategy", "time_ms", "ratio_vs_hybrid", "recv_MB_max",
+               "recv_MB_mean", "plan_recv_MB_max", "wire_MB_max", "buffer_MB_max", "bytes_match_plan"]
+    json_path, md_path = write_results("transition_cpu", rows, meta, columns, out_dir=args.out)
+    png = json_path.with_suffix(".png")
+    plot(rows, png)
+    for r in rows:
+        print(f"{r['model']:>4} {r['layout']:<16} {r['strategy']:<13} {r['time_ms']:9.2f} ms "
+              f"x{r['ratio_vs_hybrid']:<5} recv max {r['recv_MB_max']:8.3f} MB (plan {r['plan_recv_MB_max']:8.3f})"
+              f" match={r['bytes_match_plan']}")
+    print(f"wrote {json_path}, {md_path}, {png}")
+    return 0 if all(r["bytes_match_plan"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
