@@ -20,6 +20,11 @@ _EXPORTS = {
     "Dispatch": "hybridrl.controller",
     "create_colocated_worker_group": "hybridrl.controller",
     "SamplingParams": "hybridrl.rollout",
+    "Actor": "hybridrl.api",
+    "ReferencePolicy": "hybridrl.api",
+    "Critic": "hybridrl.api",
+    "RewardModel": "hybridrl.api",
+    "Rollout": "hybridrl.api",
     "algorithms": "hybridrl.algorithms",
 }
 

@@ -59,3 +59,36 @@ def create_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size:
     model.save_pretrained(str(out_dir), safe_serialization=True)
     logger.info("wrote tiny %s %s model to %s", family, head, out_dir)
     return out_dir
+
+
+DEFAULT_TINY = {"family": "llama", "vocab_size": 64, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 0}
+
+
+def default_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """The embedded default model: a tiny Llama over the bundled 64-character tokenizer, created
+    deterministically on first use under $HYBRIDRL_CACHE (default ~/.cache/hybridrl) and reused after."""
+    import os
+    import shutil
+    import tempfile
+
+    from hybridrl.data.tokenizer import BUNDLED_TOKENIZER_DIR, VOCAB_SIZE
+
+    base = Path(cache_dir or os.environ.get("HYBRIDRL_CACHE") or Path.home() / ".cache" / "hybridrl")
+    name = "tiny-llama-v{vocab_size}-h{hidden}-l{layers}-s{seed}".format(**DEFAULT_TINY)
+    target = base / name
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    assert DEFAULT_TINY["vocab_size"] == VOCAB_SIZE
+    base.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=base))
+    spec = dict(DEFAULT_TINY)
+    create_tiny_model(staging, spec.pop("family"), **spec)
+    for item in BUNDLED_TOKENIZER_DIR.iterdir():
+        shutil.copy(item, staging / item.name)
+    try:
+        staging.rename(target)  # atomic: concurrent first uses end with one complete folder
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target

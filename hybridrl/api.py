@@ -1,0 +1,390 @@
+"""The short API: RL roles as plain Python objects, so a new algorithm is a few lines of driver code.
+
+    pool = hybridrl.ResourcePool(devices=4)
+    actor = hybridrl.Actor(model=PATH, parallel={"tp": 2, "pp": 1}, rollout={"tp": 1}, resource_pool=pool)
+    ref_policy = hybridrl.ReferencePolicy(model=PATH, resource_pool=pool)
+    reward_model = hybridrl.RewardModel(fn=my_reward)          # or model=RM_PATH, resource_pool=pool
+    out = actor.generate_sequences(prompts)                    # Rollout: .sequences .texts .log_probs .mask
+    ...
+    actor.update(states=prompts, actions=out.sequences, advantages=advantages)
+
+Each role is a WorkerGroup of Megatron-backed workers (workers/) on a ResourcePool; roles on one pool
+colocate (share processes, devices and layout). The trainer (trainer/loop.py) drives these same objects.
+Ray is started locally on first use when no cluster is running (enough fake devices for the pool).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from hybridrl.controller import ResourcePool, WorkerGroup, ensure_ray
+from hybridrl.parallel.layout import ParallelLayout
+from hybridrl.protocol import Batch
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens")
+ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "max_model_len", "max_batch_size", "options")
+
+
+def _model_path(model: str | None) -> str:
+    if model is not None:
+        return str(model)
+    from hybridrl.models.tiny import default_model_dir
+
+    return str(default_model_dir())
+
+
+def _tokenizer_for(model_path: str, tokenizer: Any = None):
+    from pathlib import Path
+
+    from hybridrl.data.tokenizer import load_tokenizer
+
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if (Path(model_path) / "tokenizer_config.json").is_file() or (Path(model_path) / "tokenizer.json").is_file():
+        return load_tokenizer(model_path)
+    return load_tokenizer(None)
+
+
+def _layout_on(pool: ResourcePool, parallel: dict | None) -> ParallelLayout:
+    """The role's layout: explicit tp/pp (dp fills the pool), else the layout the pool already holds."""
+    held = pool._hosts.layout if pool._hosts is not None else None
+    if parallel is None:
+        return held or ParallelLayout(dp=pool.world_size)
+    tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
+    if pool.world_size % (tp * pp):
+        raise ValueError(f"parallel tp={tp} x pp={pp} does not divide the pool's {pool.world_size} devices")
+    dp = parallel.get("dp") or pool.world_size // (tp * pp)
+    return ParallelLayout(tp=tp, pp=pp, dp=int(dp), sequence_parallel=bool(parallel.get("sequence_parallel", False)))
+
+
+def _start(pool: ResourcePool | None, ray_address: str | None = None) -> ResourcePool:
+    pool = pool or ResourcePool(devices=1)
+    ensure_ray(num_devices=None if _ray_running() else pool.world_size, address=ray_address)
+    return pool
+
+
+def _ray_running() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+@dataclass
+class Rollout:
+    """Generated sequences: the Batch the rollout engine returned, plus decoded texts.
+
+    sequences: Batch with prompts / responses / input_ids / attention_mask / response_mask /
+               rollout_log_probs (see rollout/base.py); prompt-major when n > 1.
+    """
+
+    sequences: Batch
+    texts: list[str]
+    prompt_texts: list[str]
+    metadata: list[dict]
+
+    @property
+    def log_probs(self) -> torch.Tensor:
+        """[B, R] log-prob of each sampled token under the sampling distribution (0 on padding)."""
+        return self.sequences["rollout_log_probs"]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, R] 1.0 on generated tokens."""
+        return self.sequences["response_mask"].float()
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return list(self.sequences.non_tensors["finish_reasons"])
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+
+def _as_sequences(actions: Any) -> Batch:
+    if isinstance(actions, Rollout):
+        return actions.sequences
+    if isinstance(actions, Batch):
+        return actions
+    raise TypeError(f"pass the sequences as the Rollout (or its .sequences Batch) from generate_sequences, "
+                    f"got {type(actions).__name__}")
+
+
+class _Role:
+    """A WorkerGroup of one worker class on a pool, with Ray started on demand."""
+
+    def __init__(self, worker_cls: type, role: str, resource_pool: ResourcePool | None, parallel: dict | None,
+                 init_kwargs: dict, seed: int, call_timeout_s: float | None) -> None:
+        self.pool = _start(resource_pool)
+        self.layout = _layout_on(self.pool, parallel)
+        self.group = WorkerGroup(self.pool, worker_cls, layout=self.layout, role=role, init_kwargs=init_kwargs,
+                                 seed=seed, call_timeout_s=call_timeout_s)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class Actor(_Role):
+    """The policy: trains in `parallel` (tp, pp; dp fills the pool), generates in `rollout` (tp) through the
+    3D-HybridEngine.
+
+    rollout: engine (native | vllm), tp, reshard (hybrid | ds_chat | hybridflow_v), max_model_len, and the
+    default sampling (n, temperature, top_p, top_k, max_new_tokens). optim: lr, weight_decay, betas,
+    clip_grad, warmup_steps, use_distributed_optimizer. loss: clip_ratio, entropy_coef, kl_loss_coef,
+    kl_estimator (PolicyLossConfig).
+    """
+
+    def __init__(self, model: str | None = None, parallel: dict | None = None, rollout: dict | None = None,
+                 resource_pool: ResourcePool | None = None, optim: dict | None = None, loss: dict | None = None,
+                 micro_batch_size: int = 8, dtype: str = "float32", tokenizer: Any = None, seed: int = 1,
+                 role: str = "actor", call_timeout_s: float | None = 3600.0) -> None:
+        from hybridrl.workers.actor import ActorWorker
+
+        path = _model_path(model)
+        self.tokenizer = _tokenizer_for(path, tokenizer)
+        rollout = dict(rollout or {})
+        unknown = set(rollout) - set(SAMPLING_KEYS) - set(ROLLOUT_ENGINE_KEYS)
+        if unknown:
+            raise ValueError(f"Actor(rollout=...): unknown keys {sorted(unknown)}; known: "
+                             f"{sorted(SAMPLING_KEYS + ROLLOUT_ENGINE_KEYS)}")
+        self.sampling = {k: rollout[k] for k in SAMPLING_KEYS if k in rollout}
+        engine_spec = {k: rollout[k] for k in ROLLOUT_ENGINE_KEYS if k in rollout}
+        engine_spec["pad_token_id"] = self.tokenizer.pad_token_id or 0
+        engine_spec["stop_token_ids"] = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.loss = dict(loss or {})
+        model_spec = {"path": path, "dtype": dtype, "micro_batch_size": micro_batch_size, "optim": dict(optim or {})}
+        super().__init__(ActorWorker, role, resource_pool, parallel,
+                         {"model": model_spec, "rollout": engine_spec, "seed": seed}, seed, call_timeout_s)
+        self._step_seed = seed * 1_000_003
+
+    # ---- prompts ---------------------------------------------------------------------------------------
+    def encode_prompts(self, prompts: Any) -> tuple[Batch, list[str], list[dict]]:
+        """Prompts as a left-padded Batch: strings (tokenised), token-id lists, a PromptBatch or a Batch."""
+        from hybridrl.data.loader import PromptBatch
+
+        if isinstance(prompts, PromptBatch):
+            return Batch({"input_ids": prompts.input_ids, "attention_mask": prompts.attention_mask}), \
+                list(prompts.texts), list(prompts.metadata)
+        if isinstance(prompts, Batch):
+            texts = list(prompts.non_tensors.get("prompt_texts", [""] * len(prompts)))
+            return prompts.select("input_ids", "attention_mask"), texts, [{} for _ in texts]
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        if all(isinstance(p, str) for p in prompts):
+            ids = self.tokenizer(list(prompts))["input_ids"]
+            texts = list(prompts)
+        else:
+            ids = [list(map(int, p)) for p in prompts]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if any(len(row) == 0 for row in ids):
+            raise ValueError("an empty prompt: every prompt needs at least one token")
+        width = max(len(row) for row in ids)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, row in enumerate(ids):
+            input_ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+        return Batch({"input_ids": input_ids, "attention_mask": mask}), texts, [{} for _ in texts]
+
+    def decode_responses(self, sequences: Batch) -> list[str]:
+        responses, mask = sequences["responses"], sequences["response_mask"].bool()
+        return self.tokenizer.batch_decode([r[m].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True)
+
+    # ---- the role's calls --------------------------------------------------------------------------------
+    def generate_sequences(self, prompts: Any, greedy: bool = False, seed: int | None = None,
+                           **sampling: Any) -> Rollout:
+        """Sample responses (n per prompt, prompt-major). greedy=True: the argmax response (ReMax baseline)."""
+        batch, texts, metadata = self.encode_prompts(prompts)
+        params = {**self.sampling, **sampling}
+        if greedy:
+            params.update(greedy=True, n=1)
+        if seed is None:
+            self._step_seed += 1
+            seed = self._step_seed
+        params["seed"] = seed
+        results = self.group.generate_sequences(batch, params)
+        sequences = merge_replicas(results)
+        n = int(params.get("n", 1))
+        sequences.meta["timing"] = _max_timing(results)
+        return Rollout(sequences, self.decode_responses(sequences), [t for t in texts for _ in range(n)],
+                       [m for m in metadata for _ in range(n)])
+
+    def compute_log_probs(self, sequences: Any) -> torch.Tensor:
+        """[B, R] log-probs of the responses under the current policy (training layout)."""
+        return self.group.compute_log_probs(_as_sequences(sequences).select(*_SEQUENCE_KEYS))["old_log_probs"]
+
+    def update(self, states: Any = None, actions: Any = None, advantages: torch.Tensor | None = None, *,
+               old_log_probs: torch.Tensor | None = None, ref_log_probs: torch.Tensor | None = None,
+               mini_batches: int = 1, epochs: int = 1, **loss: Any) -> dict[str, float]:
+        """One policy-gradient update on `actions` (the Rollout) with `advantages` ([B] per sequence, or
+        [B, R] per token). Without old_log_probs the update is on-policy (ratio 1: plain REINFORCE).
+        `states` (the prompts) is accepted for readability; the sequences already hold them."""
+        if advantages is None:
+            raise ValueError("actor.update needs advantages ([B] or [B, R])")
+        data = _as_sequences(actions).select(*_SEQUENCE_KEYS)
+        mask = data["response_mask"].float()
+        advantages = torch.as_tensor(advantages, dtype=torch.float32)
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1).expand_as(mask)
+        if advantages.shape != mask.shape:
+            raise ValueError(f"advantages of shape {tuple(advantages.shape)} do not match the responses "
+                             f"{tuple(mask.shape)} (give [B] or [B, R])")
+        data["advantages"] = advantages * mask
+        cfg = {**self.loss, **loss}
+        if old_log_probs is not None:
+            data["old_log_probs"] = old_log_probs
+        if ref_log_probs is not None:
+            data["ref_log_probs"] = ref_log_probs
+        dp = self.layout.dp
+        if len(data) < dp * mini_batches:
+            raise ValueError(f"actor.update: {len(data)} sequences cannot fill dp={dp} x mini_batches={mini_batches}")
+        results = self.group.update(data, cfg, mini_batches, epochs)
+        return _average(results)
+
+
+class ReferencePolicy(_Role):
+    """The frozen initial policy; by default it takes the pool's layout (colocated with the actor)."""
+
+    def __init__(self, model: str | None = None, resource_pool: ResourcePool | None = None,
+                 parallel: dict | None = None, micro_batch_size: int = 8, dtype: str = "float32", seed: int = 1,
+                 role: str = "ref", call_timeout_s: float | None = 3600.0) -> None:
+        from hybridrl.workers.actor import ReferenceWorker
+
+        spec = {"path": _model_path(model), "dtype": dtype, "micro_batch_size": micro_batch_size}
+        super().__init__(ReferenceWorker, role, resource_pool, parallel, {"model": spec, "seed": seed}, seed,
+                         call_timeout_s)
+
+    def get_log_probs(self, prompts: Any = None, sequences: Any = None) -> torch.Tensor:
+        """[B, R] log-probs of the responses in `sequences` (the prompts are inside them)."""
+        if sequences is None:  # get_log_probs(rollout)
+            prompts, sequences = None, prompts
+        data = _as_sequences(sequences).select(*_SEQUENCE_KEYS)
+        return self.group.compute_ref_log_probs(data)["ref_log_probs"]
+
+
+class Critic(_Role):
+    """A value model (scalar head) trained on returns; starts from a causal-LM or a scalar-head checkpoint."""
+
+    def __init__(self, model: str | None = None, resource_pool: ResourcePool | None = None,
+                 parallel: dict | None = None, optim: dict | None = None, micro_batch_size: int = 8,
+                 dtype: str = "float32", seed: int = 1, role: str = "critic",
+                 call_timeout_s: float | None = 3600.0) -> None:
+        from hybridrl.workers.value import CriticWorker
+
+        spec = {"path": _model_path(model), "dtype": dtype, "micro_batch_size": micro_batch_size,
+                "optim": dict(optim or {})}
+        super().__init__(CriticWorker, role, resource_pool, parallel, {"model": spec, "seed": seed}, seed,
+                         call_timeout_s)
+
+    def compute_values(self, sequences: Any) -> torch.Tensor:
+        return self.group.compute_values(_as_sequences(sequences).select(*_SEQUENCE_KEYS))["values"]
+
+    def update(self, sequences: Any, returns: torch.Tensor, values: torch.Tensor, clip_range: float | None = 0.2,
+               mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:
+        data = _as_sequences(sequences).select(*_SEQUENCE_KEYS)
+        data["returns"], data["values"] = returns.float(), values.float()
+        return _average(self.group.update(data, clip_range, mini_batches, epochs))
+
+
+class RewardModel:
+    """Sequence scores from a reward model (a HF *ForSequenceClassification folder, on a pool) or a
+    function `fn(prompt: str, response: str, **row_metadata) -> float` (a callable or a dotted path)."""
+
+    def __init__(self, model: str | None = None, fn: Callable | str | None = None,
+                 resource_pool: ResourcePool | None = None, parallel: dict | None = None, micro_batch_size: int = 8,
+                 dtype: str = "float32", seed: int = 1, role: str = "reward", num_workers: int = 0,
+                 call_timeout_s: float | None = 3600.0) -> None:
+        from hybridrl.workers.rule_reward import RuleReward
+
+        if (model is None) == (fn is None):
+            raise ValueError("RewardModel: give exactly one of model= (a reward-model folder) or fn= (a function)")
+        self.rule = RuleReward(fn, num_workers=num_workers) if fn is not None else None
+        self.role = None
+        if model is not None:
+            from hybridrl.workers.value import RewardModelWorker
+
+            spec = {"path": str(model), "dtype": dtype, "micro_batch_size": micro_batch_size}
+            self.role = _Role(RewardModelWorker, role, resource_pool, parallel, {"model": spec, "seed": seed}, seed,
+                              call_timeout_s)
+
+    def score(self, prompts: Any, responses: Any, metadata: list[dict] | None = None) -> torch.Tensor:
+        """[B] scores. responses: the Rollout (or its texts with a function). Prompts are repeated when
+        there are n responses per prompt."""
+        if self.rule is not None:
+            if isinstance(responses, Rollout):  # already one prompt text / metadata row per response
+                texts, prompt_texts, metadata = responses.texts, responses.prompt_texts, metadata or responses.metadata
+            else:
+                texts, prompt_texts = list(responses), list(prompts)
+            if not prompt_texts or len(texts) % len(prompt_texts):
+                raise ValueError(f"{len(texts)} responses for {len(prompt_texts)} prompts")
+            n = len(texts) // len(prompt_texts)
+            prompt_texts = [p for p in prompt_texts for _ in range(n)]
+            if metadata is not None and len(metadata) * n == len(texts) and n > 1:
+                metadata = [m for m in metadata for _ in range(n)]
+            return self.rule.score(prompt_texts, texts, metadata)
+        data = _as_sequences(responses).select(*_SEQUENCE_KEYS)
+        return self.role.group.score(data)["scores"]
+
+    def close(self) -> None:
+        if self.role is not None:
+            self.role.close()
+        if self.rule is not None:
+            self.rule.close()
+
+
+_SEQUENCE_KEYS = ("prompts", "responses", "attention_mask", "response_mask")
+
+
+def merge_replicas(results: list) -> Batch:
+    """The actor's per-rank generate results -> one Batch in prompt order (replica 0's rows first)."""
+    parts = sorted((r for r in results if r is not None), key=lambda item: item[0])
+    if not parts:
+        raise RuntimeError("no generation replica returned sequences")
+    return _concat_padded([batch for _, batch in parts])
+
+
+def _concat_padded(batches: list[Batch]) -> Batch:
+    """Concatenate rollout Batches whose prompt / response widths differ (replicas pad independently)."""
+    if len(batches) == 1:
+        return batches[0]
+    prompt_w = max(b["prompts"].shape[1] for b in batches)
+    response_w = max(b["responses"].shape[1] for b in batches)
+    fixed = []
+    for b in batches:
+        p_pad, r_pad = prompt_w - b["prompts"].shape[1], response_w - b["responses"].shape[1]
+        prompt_mask = torch.nn.functional.pad(b["attention_mask"][:, :b["prompts"].shape[1]], (p_pad, 0))
+        response_mask = torch.nn.functional.pad(b["response_mask"], (0, r_pad))
+        pad_id = int(b.meta.get("pad_token_id", 0))
+        prompts = torch.nn.functional.pad(b["prompts"], (p_pad, 0), value=pad_id)
+        responses = torch.nn.functional.pad(b["responses"], (0, r_pad), value=pad_id)
+        tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                   "attention_mask": torch.cat([prompt_mask, response_mask], 1), "response_mask": response_mask,
+                   "rollout_log_probs": torch.nn.functional.pad(b["rollout_log_probs"], (0, r_pad))}
+        fixed.append(Batch(tensors, non_tensors=dict(b.non_tensors), meta={k: v for k, v in b.meta.items()
+                                                                           if k not in ("timing", "reshard_recv_bytes")}))
+    return Batch.concat(fixed)
+
+
+def _max_timing(results: list) -> dict[str, float]:
+    """Stage seconds of a generate call: the slowest replica's (they run in parallel)."""
+    timing: dict[str, float] = {}
+    for item in results:
+        if item is not None:
+            for key, value in item[1].meta.get("timing", {}).items():
+                timing[key] = max(timing.get(key, 0.0), value)
+    return timing
+
+
+def _average(results: list[dict]) -> dict[str, float]:
+    """Per-DP-rank metric dicts -> their mean (each rank already averaged its micro-batches)."""
+    results = [r for r in results if r]
+    if not results:
+        return {}
+    return {k: sum(r[k] for r in results) / len(results) for k in results[0]}

@@ -1,0 +1,180 @@
+"""The actor (policy + rollout through the 3D-HybridEngine) and the reference policy, as Ray-side workers.
+
+ActorWorker holds, on every rank of its pool:
+- the policy as a trainable MegatronModel in the training layout (tp, pp, dp);
+- a HybridEngine that turns it into this rank's generation-layout model (t_g, p_g = 1) on demand;
+- a rollout engine (native Megatron or vLLM) that generates with that model.
+
+`generate_sequences` runs the transition, splits the prompts over the generation replicas, generates, and
+switches back; `compute_log_probs` and `update` run in the training layout over DP shards.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hybridrl.controller import Dispatch, Worker, register
+from hybridrl.protocol import Batch
+from hybridrl.workers.megatron_model import MegatronModel, ModelSpec
+from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutSpec:
+    """How the actor generates (the rollout part of the config, plus what the tokenizer decides)."""
+
+    engine: str = "native"
+    tp: int = 1
+    reshard: str = "hybrid"
+    max_model_len: int = 512
+    max_batch_size: int = 64
+    pad_token_id: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)  # engine options (e.g. vLLM's)
+
+
+class _LogProbMixin:
+    model: MegatronModel
+
+    def _log_probs(self, data: Batch, key: str) -> Batch | None:
+        model = self.model
+
+        def per_micro_batch(mb, logits):
+            return response_log_probs(mb, logits, model.vocab_size, model.tp_group if model.tp > 1 else None)[0]
+
+        values = model.forward(data, per_micro_batch, {"response_mask": data["response_mask"]})
+        if values is None:  # not the last pipeline stage: the driver collects from the last one
+            return None
+        return Batch({key: values * data["response_mask"]})
+
+
+class ActorWorker(_LogProbMixin, Worker):
+    """Policy training (Megatron DDP + optimizer) and generation (HybridEngine + rollout engine)."""
+
+    def __init__(self, model: dict, rollout: dict, seed: int = 1) -> None:
+        from hybridrl.hybrid_engine.engine import HybridEngine
+        from hybridrl.parallel.generation import GenerationLayout
+
+        self.model = MegatronModel(ModelSpec.from_dict(model), seed=seed)
+        self.rollout_spec = RolloutSpec(**{**rollout, "stop_token_ids": tuple(rollout.get("stop_token_ids", ()))})
+        self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout,
+                                   GenerationLayout(tp=self.rollout_spec.tp), strategy=self.rollout_spec.reshard)
+        self.engine = self._build_engine()
+        self.engine.release()  # KV cache only while generating
+
+    def _build_engine(self):
+        from hybridrl.rollout import build_rollout_engine
+
+        spec = self.rollout_spec
+        options = dict(spec.options)
+        if spec.engine == "native":
+            options.setdefault("max_batch_size", spec.max_batch_size)
+        return build_rollout_engine({"engine": spec.engine, "tp": spec.tp}, model=self.hybrid.gen_model,
+                                    model_path=self.model.spec.path, vocab_size=self.model.vocab_size,
+                                    max_model_len=spec.max_model_len, pad_token_id=spec.pad_token_id, **options)
+
+    # ---- generation ------------------------------------------------------------------------------------
+    @register(Dispatch.ONE_TO_ALL)
+    def generate_sequences(self, prompts: Batch, sampling: dict) -> tuple[int, Batch] | None:
+        """Generate for this rank's generation replica's share of `prompts` (left-padded "input_ids" +
+        "attention_mask"); returns (replica index, Batch) on generation TP rank 0, None elsewhere. The
+        Batch's meta carries the transition and generation seconds."""
+        from hybridrl.rollout import SamplingParams
+
+        sampling = dict(sampling)
+        stops = tuple(sampling.pop("stop_token_ids", ()) or ()) or self.rollout_spec.stop_token_ids
+        seed = sampling.pop("seed", None)
+        replica, replicas = self.hybrid.gen_dp_rank, self.hybrid.gen_dp_size
+        share = prompts.chunk(replicas)[replica]
+        start = time.perf_counter()
+        gen_model = self.hybrid.to_generation()
+        self._push_weights(gen_model)
+        self.engine.wake()
+        transition_s = time.perf_counter() - start
+        try:
+            if len(share) == 0:
+                out = None
+            else:
+                params = SamplingParams(**sampling, stop_token_ids=stops,
+                                        seed=None if seed is None else int(seed) + replica)
+                out = self.engine.generate(share, params)
+        finally:
+            start_back = time.perf_counter()
+            self.engine.release()
+            self.hybrid.to_training()
+            transition_s += time.perf_counter() - start_back
+        generation_s = time.perf_counter() - start - transition_s
+        if out is None or not self.hybrid.is_gen_collect_rank:
+            return None
+        out.meta["timing"] = {"transition": transition_s, "generation": generation_s}
+        out.meta["reshard_recv_bytes"] = self.hybrid.last_stats.recv_payload_bytes
+        return replica, out
+
+    def _push_weights(self, gen_model) -> None:
+        if self.rollout_spec.engine == "native":
+            self.engine.load_weights(None)  # the generation model already holds the new weights
+            return
+        from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
+
+        self.engine.load_weights(iter_full_hf_tensors(gen_model, self.model.hf_config))
+
+    # ---- training layout ---------------------------------------------------------------------------------
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_probs(self, data: Batch) -> Batch:
+        """"old_log_probs" [B, R] of the responses under the current policy (training layout)."""
+        return self._log_probs(data, "old_log_probs")
+
+    @register(Dispatch.DP_COMPUTE, pad=False)
+    def update(self, data: Batch, loss: dict, mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:
+        """PPO-style policy update: `epochs` passes, each cut into `mini_batches` optimizer steps.
+
+        data: rollouts with "advantages" ([B, R]), "old_log_probs" (absent: on-policy) and "ref_log_probs"
+        when the loss has a KL term.
+        """
+        cfg = PolicyLossConfig(**loss)
+        model = self.model
+        tp_group = model.tp_group if model.tp > 1 else None
+        keys = ["response_mask", "advantages"] + (["ref_log_probs"] if cfg.kl_loss_coef else [])
+        missing = [k for k in keys if k not in data]
+        keys += ["old_log_probs"] if "old_log_probs" in data else []
+        if missing:
+            raise KeyError(f"actor.update needs {missing} in the batch")
+
+        def loss_terms(mb, logits):
+            return actor_loss_terms(mb, logits, model.vocab_size, tp_group, cfg)
+
+        if len(data) < mini_batches:  # every DP rank must take the same number of optimizer steps
+            raise ValueError(f"actor.update: {len(data)} rows on this DP rank cannot make {mini_batches} mini-batches")
+        history: list[dict[str, float]] = []
+        for _ in range(epochs):
+            for part in data.chunk(mini_batches):
+                history.append(model.train_step(part, loss_terms, {k: part[k] for k in keys}))
+        return _mean_metrics(history)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def describe(self) -> dict[str, Any]:
+        return {"rank": self.rank, "gen_dp_rank": self.hybrid.gen_dp_rank, "gen_dp_size": self.hybrid.gen_dp_size,
+                "identity_transition": self.hybrid.identity, "rollout": asdict(self.rollout_spec)}
+
+
+class ReferenceWorker(_LogProbMixin, Worker):
+    """The frozen reference policy: log-probs of the responses under the initial weights."""
+
+    def __init__(self, model: dict, seed: int = 1) -> None:
+        self.model = MegatronModel(ModelSpec.from_dict({**model, "optim": None}), seed=seed)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_ref_log_probs(self, data: Batch) -> Batch:
+        return self._log_probs(data, "ref_log_probs")
+
+
+def _mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+    if not history:
+        return {}
+    return {k: sum(h[k] for h in history if k in h) / sum(1 for h in history if k in h) for k in history[0]}

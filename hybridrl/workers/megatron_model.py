@@ -1,0 +1,237 @@
+"""One role's Megatron-Core model inside a worker: build, load, run micro-batches through Megatron's schedule.
+
+Every Megatron-backed role (actor, reference, critic, reward / cost model) holds one `MegatronModel`:
+- built from a Hugging Face folder for this rank's TP/PP shard (LM head or scalar head);
+- trainable ones are wrapped in Megatron's DDP with its (distributed) optimizer and LR scheduler;
+- `forward(...)` and `train_step(...)` cut a Batch of rollouts into micro-batches and run them through
+  `get_forward_backward_func()` (1F1B when PP > 1), so pipeline parallelism and gradient accumulation are
+  Megatron's own. Results exist on the last pipeline stage (the ranks the driver collects from).
+
+Sequences arrive as rollouts (left-padded prompts, right-padded responses) and are packed into rows of
+prompt+response with no gap (workers/sequences.py), so a plain causal mask is exact.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hybridrl.protocol import Batch
+from hybridrl.workers.sequences import PackedSequences, pack
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class OptimSpec:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class ModelSpec:
+    """What a role's model is: where its weights are, which head, precision, how it trains."""
+
+    path: str
+    head: str = "lm"  # lm | scalar
+    dtype: str = "float32"
+    micro_batch_size: int = 8
+    optim: OptimSpec | None = None  # None: frozen (reference, reward model)
+    sequence_parallel: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
+        spec = dict(spec)
+        optim = spec.pop("optim", None)
+        if optim is not None and not isinstance(optim, OptimSpec):
+            optim = OptimSpec(**{k: (tuple(v) if k == "betas" else v) for k, v in dict(optim).items()})
+        return cls(optim=optim, **spec)
+
+
+def rollout_rows(data: Batch) -> PackedSequences:
+    """Pack a rollout Batch (prompts / responses / attention_mask / response_mask) into causal rows."""
+    prompt_width = data["prompts"].shape[1]
+    return pack(data["prompts"], data["attention_mask"][:, :prompt_width], data["responses"],
+                data["response_mask"])
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Repeat the first row to reach `rows` rows (filler micro-batch rows are masked out by the callers)."""
+    missing = rows - tensor.shape[0]
+    if missing <= 0:
+        return tensor
+    return torch.cat([tensor, tensor[:1].expand(missing, *tensor.shape[1:])])
+
+
+class MegatronModel:
+    """A role's model shard on this rank (Megatron parallel state must already be initialised)."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 1234) -> None:
+        from megatron.core import parallel_state
+
+        from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+        from hybridrl.parallel.distributed import device
+
+        if spec.dtype not in DTYPES:
+            raise ValueError(f"model dtype={spec.dtype!r}; choose one of {sorted(DTYPES)}")
+        if spec.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={spec.micro_batch_size} must be >= 1")
+        self.spec = spec
+        self.hf_config = load_hf_config(spec.path)
+        torch.manual_seed(seed)
+        model = build_gpt_model(self.hf_config, head=spec.head, dtype=DTYPES[spec.dtype],
+                                sequence_parallel=spec.sequence_parallel)
+        model = model.to(device())
+        load_hf_weights(model, spec.path, self.hf_config, init_missing_score=spec.head == "scalar")
+        self.inner = model
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.optimizer = None
+        self.scheduler = None
+        self.model = model
+        if spec.optim is not None:
+            self._make_trainable(spec.optim)
+        self.steps = 0
+
+    # ---- training setup ------------------------------------------------------------------------------
+    def _make_trainable(self, optim: OptimSpec) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
+            finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        config = self.inner.config
+        model = self.inner
+        if config.bf16 or config.fp16:  # Megatron's mixed precision: low-precision module, fp32 main params
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=optim.use_distributed_optimizer)
+        self.model = DistributedDataParallel(config, ddp_config, model)
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+                            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], clip_grad=optim.clip_grad,
+                            use_distributed_optimizer=optim.use_distributed_optimizer, bf16=config.bf16,
+                            fp16=config.fp16, params_dtype=config.params_dtype), [self.model])
+        warmup = max(0, int(optim.warmup_steps))
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr, min_lr=optim.lr,
+            lr_warmup_steps=warmup, lr_decay_steps=warmup + 1, lr_decay_style="constant",
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+    # ---- running micro-batches -----------------------------------------------------------------------
+    def _micro_batches(self, packed: PackedSequences, extra: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
+        """Cut rows into equal micro-batches (Megatron's pipeline needs one shape); the last is filled with
+        copies of row 0, flagged by `row_valid` = 0."""
+        from hybridrl.parallel.distributed import device
+
+        rows = packed.batch_size
+        size = min(self.spec.micro_batch_size, rows)
+        count = math.ceil(rows / size)
+        total = count * size
+        dev = device()
+        width = packed.input_ids.shape[1]
+        tensors = {"input_ids": packed.input_ids, "prompt_lengths": packed.prompt_lengths,
+                   "lengths": packed.lengths, **extra}
+        tensors = {k: _pad_rows(v, total).to(dev) for k, v in tensors.items()}
+        tensors["row_valid"] = (torch.arange(total) < rows).float().to(dev)
+        tensors["position_ids"] = torch.arange(width, device=dev).expand(total, width)
+        return [{k: v[i * size:(i + 1) * size] for k, v in tensors.items()} for i in range(count)], size
+
+    def _run(self, micro_batches: list[dict], micro_batch_size: int, loss_fn: Callable, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
+            return output, functools.partial(loss_fn, mb)
+
+        width = micro_batches[0]["input_ids"].shape[1]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=micro_batch_size,
+            forward_only=forward_only)
+
+    def forward(self, data: Batch, per_micro_batch: Callable[[dict, torch.Tensor], torch.Tensor],
+                extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Forward only: `per_micro_batch(mb, output) -> [b, ...]` on the last stage; returns the rows'
+        results concatenated (filler rows dropped) on the last stage, None on earlier stages."""
+        packed = rollout_rows(data)
+        micro_batches, size = self._micro_batches(packed, extra or {})
+
+        def loss_fn(mb, output):
+            return torch.zeros((), device=output.device), {"out": per_micro_batch(mb, output).detach()}
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                outputs = self._run(micro_batches, size, loss_fn, forward_only=True)
+        finally:
+            self.model.train(was_training)
+        if not self.is_last_stage:
+            return None
+        return torch.cat([o["out"].cpu() for o in outputs])[:packed.batch_size]
+
+    def train_step(self, data: Batch, loss_terms: Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]],
+                   extra: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step over `data` (this DP rank's share of a mini-batch).
+
+        `loss_terms(mb, output) -> (loss_sum, token_count, metrics)`: the summed per-token loss of the
+        micro-batch. The step minimises the token mean over the whole mini-batch across DP ranks: each
+        micro-batch's sum is divided by the global token count and rescaled for Megatron's division by the
+        number of micro-batches and DDP's average over DP ranks.
+        """
+        from megatron.core import parallel_state
+
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen model (built without optim)")
+        packed = rollout_rows(data)
+        micro_batches, size = self._micro_batches(packed, extra)
+        local_tokens = sum(float(mb["response_mask"].sum()) for mb in micro_batches)
+        tokens = torch.tensor([local_tokens], dtype=torch.float64, device=micro_batches[0]["input_ids"].device)
+        dp = parallel_state.get_data_parallel_world_size()
+        if dp > 1:
+            torch.distributed.all_reduce(tokens, group=self.dp_group)
+        scale = len(micro_batches) * dp / max(float(tokens.item()), 1.0)
+
+        def loss_fn(mb, output):
+            loss_sum, count, metrics = loss_terms(mb, output)
+            metrics = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in metrics.items()}
+            metrics["_tokens"] = torch.as_tensor(float(count), dtype=torch.float64)
+            return loss_sum * scale, metrics
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(micro_batches, size, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if self.scheduler is not None and ok:
+            self.scheduler.step(increment=1)
+        self.steps += 1
+        result: dict[str, float] = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                                    "update_ok": float(bool(ok)), "lr": float(self.optimizer.param_groups[0]["lr"])}
+        if self.is_last_stage and outputs:
+            weights = torch.stack([o["_tokens"] for o in outputs])
+            total = float(weights.sum()) or 1.0
+            for key in outputs[0]:
+                if key != "_tokens":  # token-weighted mean over micro-batches
+                    result[key] = float(sum(o[key] * o["_tokens"] for o in outputs) / total)
+        return result
+

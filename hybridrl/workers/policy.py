@@ -1,0 +1,77 @@
+"""What a policy model computes on a micro-batch: response-token log-probs, entropy, and the actor loss.
+
+Micro-batches come from MegatronModel._micro_batches: packed rows ("input_ids", "prompt_lengths"),
+"row_valid" (0 on filler rows) and the per-response-token tensors the caller passed ([b, R]).
+Response token i of a row is predicted at position prompt_length - 1 + i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridrl.algorithms.losses import kl_penalty, masked_mean, ppo_policy_loss
+from hybridrl.workers.vocab_parallel import token_log_probs
+
+
+def response_index(mb: dict, width: int) -> torch.Tensor:
+    """[b, R] positions whose outputs belong to the response tokens (clamped inside the row)."""
+    responses = mb["response_mask"].shape[1]
+    offsets = torch.arange(responses, device=mb["input_ids"].device).unsqueeze(0)
+    return (mb["prompt_lengths"].unsqueeze(1) - 1 + offsets).clamp(0, width - 1)
+
+
+def response_mask(mb: dict) -> torch.Tensor:
+    """Response-token mask with filler rows zeroed."""
+    return mb["response_mask"].float() * mb["row_valid"].unsqueeze(1)
+
+
+def response_log_probs(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(response token) [b, R] (and entropy [b, R]) from this rank's vocab-parallel logits [b, L, V/tp]."""
+    ids = mb["input_ids"]
+    labels = torch.roll(ids, shifts=-1, dims=1)
+    index = response_index(mb, ids.shape[1])
+    # only the response positions are needed: select them before the softmax statistics
+    picked_logits = torch.gather(logits, 1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    picked_labels = torch.gather(labels, 1, index)
+    return token_log_probs(picked_logits, picked_labels, vocab_size=vocab_size, tp_group=tp_group,
+                           with_entropy=with_entropy)
+
+
+@dataclass
+class PolicyLossConfig:
+    """The actor's loss: PPO clip on the advantages, optional entropy bonus and KL-to-reference loss term."""
+
+    clip_ratio: float = 0.2
+    clip_ratio_high: float | None = None
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+def actor_loss_terms(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
+                     cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(summed per-token loss, token count, metrics) of one micro-batch.
+
+    Needs mb["advantages"] ([b, R]); mb["old_log_probs"] for PPO's ratio (absent: on-policy, ratio 1);
+    mb["ref_log_probs"] when kl_loss_coef > 0.
+    """
+    mask = response_mask(mb)
+    log_probs, entropy = response_log_probs(mb, logits, vocab_size, tp_group, with_entropy=True)
+    old = mb["old_log_probs"] if "old_log_probs" in mb else log_probs.detach()  # on-policy: ratio 1
+    pg_mean, stats = ppo_policy_loss(log_probs, old, mb["advantages"], mask,
+                                     clip_ratio=cfg.clip_ratio, clip_ratio_high=cfg.clip_ratio_high,
+                                     dual_clip=cfg.dual_clip)
+    count = mask.sum()
+    loss_sum = pg_mean * count
+    metrics = {"actor/pg_loss": pg_mean.detach(), "actor/clipfrac": stats["clipfrac"],
+               "actor/approx_kl": stats["approx_kl"], "actor/entropy": masked_mean(entropy.detach(), mask)}
+    if cfg.entropy_coef:
+        loss_sum = loss_sum - cfg.entropy_coef * (entropy * mask).sum()
+    if cfg.kl_loss_coef:
+        kl = kl_penalty(log_probs, mb["ref_log_probs"], cfg.kl_estimator)
+        loss_sum = loss_sum + cfg.kl_loss_coef * (kl * mask).sum()
+        metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
+    return loss_sum, count, metrics
