@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "convert": ("hybridrl.models.convert_cli", "convert checkpoints between Hugging Face and Megatron"),
     "bench": ("hybridrl.bench_cli", "run a benchmark under benchmarks/"),
     "submit": ("hybridrl.launch_cli", "submit a training job to Slurm"),
+    "report": ("hybridrl.trainer.report", "plots and a Markdown summary of a run's metrics.jsonl"),
 }
 
 
