@@ -7,12 +7,13 @@ import json
 import math
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from hybridrl.trainer.timers import StageTimer
-from hybridrl.trainer.tracking import Console, MetricsTracker
+from hybridrl.trainer.tracking import Console, MetricsTracker, check_backends
 
 
 class FakeClock:
@@ -162,6 +163,12 @@ def test_console_plain_bar_and_tqdm(tmp_path, capsys):
     err = capsys.readouterr().err
     assert returned[0].startswith("step 1/2 | reward_mean=0.25") and all(line in err for line in returned)
 
+    stream = io.StringIO()
+    console = Console(total_steps=4, stream=stream, show_bar=False)  # trainer.progress_bar=false
+    console.update(1, "step 1/4 | reward_mean=0.1")
+    console.close()
+    assert stream.getvalue() == "step 1/4 | reward_mean=0.1\n"
+
     with pytest.raises(ValueError, match="total_steps"):
         Console(total_steps=-1)
 
@@ -169,6 +176,12 @@ def test_console_plain_bar_and_tqdm(tmp_path, capsys):
 # ---------------------------------------------------------------- bad configs
 
 def test_tracker_bad_backends_fail_before_writing(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    trackers = OmegaConf.create({"trackers": ["tensorboard", "tensorboard"]}).trackers  # as in the config
+    assert check_backends(trackers) == ("tensorboard",)
+    with pytest.raises(ValueError, match=r"unknown tracker backend.*'console'.*trainer.trackers"):
+        check_backends(["console"])
     with pytest.raises(ValueError, match=r"unknown tracker backend.*'neptune'.*choose from"):
         MetricsTracker(tmp_path / "a", backends=("tensorboard", "neptune"))
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail as if not installed
@@ -196,6 +209,8 @@ def _wandb_history(run_file: Path) -> list[dict]:
         if length == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + length > len(raw):  # still being written
+            break
         pending += raw[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST fragment
@@ -223,7 +238,10 @@ def test_wandb_offline_backend(tmp_path, monkeypatch):
     run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
     assert run_id == run.id
     (run_file,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
-    rows = _wandb_history(run_file)
+    # wandb 0.31 offline: finish() can return before its core process has written the run file; wait.
+    deadline = time.monotonic() + 60
+    while len(rows := _wandb_history(run_file)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert [row["_step"] for row in rows] == [1, 2, 3]
     for row, metrics in zip(rows, _steps()):
         assert {k: row[k] for k in metrics} == metrics

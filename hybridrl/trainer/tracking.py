@@ -57,6 +57,21 @@ def _format_value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
 
 
+def check_backends(backends: str | Sequence[str]) -> tuple[str, ...]:
+    """Validate tracker backend names and that their packages import; call it before any work starts
+    (MetricsTracker does). Returns the names, duplicates dropped."""
+    if isinstance(backends, str):
+        backends = (backends,)
+    chosen = tuple(dict.fromkeys(str(b) for b in backends))
+    unknown = [b for b in chosen if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown tracker backend(s) {unknown} (trainer.trackers): choose from {list(BACKENDS)}")
+    for name in chosen:
+        if name in _INSTALL_HINT:
+            _import_backend(name)
+    return chosen
+
+
 def _import_backend(name: str):
     try:
         if name == "wandb":
@@ -178,29 +193,23 @@ class MetricsTracker:
     ``tensorboard`` else (). ``project`` / ``run_name`` name the wandb project / MLflow experiment and
     the run (default: the run folder's name); ``config`` is recorded as wandb config / MLflow params.
     ``mlflow_tracking_uri``: None uses MLflow's default (MLFLOW_TRACKING_URI). ``total_steps`` sizes the
-    progress bar of :meth:`show`.
+    progress bar of :meth:`show`; ``progress_bar=False`` prints the per-step lines without a bar.
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, backends: Sequence[str] | None = None,
                  project: str = "hybridrl", run_name: str | None = None, config: Mapping | None = None,
-                 mlflow_tracking_uri: str | None = None, total_steps: int | None = None):
-        if isinstance(backends, str):
-            backends = (backends,)
-        chosen = tuple(backends) if backends is not None else (("tensorboard",) if tensorboard else ())
-        unknown = [b for b in chosen if b not in BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown tracker backend(s) {unknown}: choose from {list(BACKENDS)}")
-        for name in chosen:  # fail before creating anything if a configured package is missing
-            if name in _INSTALL_HINT:
-                _import_backend(name)
+                 mlflow_tracking_uri: str | None = None, total_steps: int | None = None,
+                 progress_bar: bool = True):
+        chosen = check_backends(backends) if backends is not None else (("tensorboard",) if tensorboard else ())
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
+        self.progress_bar = progress_bar
         self._console: Console | None = None
         self._backends: dict[str, Any] = {}
         try:
-            for name in dict.fromkeys(chosen):
+            for name in chosen:
                 if name == "tensorboard":
                     try:
                         self._backends[name] = _TensorBoardBackend(self.run_dir)
@@ -247,7 +256,8 @@ class MetricsTracker:
     def show(self, step: int, metrics: dict[str, Any]) -> str:
         """Per-step console output: advance the progress bar to ``step`` and print one metrics line."""
         if self._console is None:
-            self._console = Console(total_steps=self.total_steps, initial_step=max(step - 1, 0))
+            self._console = Console(total_steps=self.total_steps, initial_step=max(step - 1, 0),
+                                    show_bar=self.progress_bar)
         line = self.console_line(step, metrics)
         self._console.update(step, line)
         return line
@@ -298,19 +308,21 @@ class Console:
 
     Uses tqdm when installed (its bar hides itself when ``stream`` is not a terminal unless
     ``use_tqdm=True`` forces it); otherwise prefixes each line with a plain ``[#####.....]`` bar.
+    ``show_bar=False``: the lines only.
     """
 
     def __init__(self, total_steps: int | None = None, initial_step: int = 0, stream: TextIO | None = None,
-                 use_tqdm: bool | None = None, width: int = 20) -> None:
+                 use_tqdm: bool | None = None, width: int = 20, show_bar: bool = True) -> None:
         if total_steps is not None and total_steps < 0:
             raise ValueError(f"Console(total_steps={total_steps}): must be >= 0 or None")
         self.total_steps = total_steps
         self._stream = stream
         self._width = width
+        self._show_bar = show_bar
         self._last = initial_step
         self._start = time.monotonic()
         self._bar = None
-        if use_tqdm is not False:
+        if show_bar and use_tqdm is not False:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
@@ -338,7 +350,7 @@ class Console:
         self.stream.flush()
 
     def _plain_bar(self) -> str:
-        if not self.total_steps:
+        if not self.total_steps or not self._show_bar:
             return ""
         done = min(self._last / self.total_steps, 1.0)
         filled = int(round(done * self._width))
