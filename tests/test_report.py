@@ -11,7 +11,8 @@ from PIL import Image
 from hybridrl.cli import main
 from hybridrl.trainer.report import ReportError, load_metrics, write_report
 
-STAGES = ("generation", "transition", "reference", "reward", "actor_update")
+STAGES = ("generation", "transition", "reward", "old_log_probs", "reference", "actor_update")
+TOP_LEVEL = tuple(s for s in STAGES if s != "transition")  # transition is timed within generation
 PNGS = ("reward.png", "kl.png", "throughput.png", "stage_times.png")
 
 
@@ -19,6 +20,7 @@ def _synthetic_records(n: int = 6) -> list[dict]:
     records = []
     for step in range(1, n + 1):
         stage = {f"time/{name}": round(0.1 * (i + 1) + 0.01 * step, 4) for i, name in enumerate(STAGES)}
+        stage["time/generation"] += 1.0  # includes the transition
         records.append({
             "step": step,
             "reward_mean": [0.10, 0.35, 0.30, 0.80, 0.55, 0.70][step - 1],
@@ -29,7 +31,7 @@ def _synthetic_records(n: int = 6) -> list[dict]:
             "response_length_mean": 20.0 + step,
             "prompt_length_mean": 16.0,
             **stage,
-            "time/step": round(sum(stage.values()) + 0.2, 4),  # 0.2 s outside any stage
+            "time/step": round(sum(stage[f"time/{s}"] for s in TOP_LEVEL) + 0.2, 4),  # 0.2 s untimed
             "actor/pg_loss": -0.01 * step,
             "actor/grad_norm": 1.5 / step,
         })
@@ -83,6 +85,9 @@ def test_report_cli_writes_plots_and_exact_summary(tmp_path, capsys):
     assert reward["first"] == ["1", "0.1"] and reward["last"] == ["6", "0.7"] and reward["best"] == ["4", "0.8"]
     # mean stage times and their share of the total step time, computed here from the records
     stages = _table(markdown, "Stage times")
+    assert list(stages)[1:] == [*(s if s != "transition" else "transition (within generation)" for s in STAGES),
+                                "(untimed)", "step (total)"]
+    stages["transition"] = stages.pop("transition (within generation)")
     total_step = sum(r["time/step"] for r in records)
     for name in STAGES:
         mean_text, share_text = stages[name]
@@ -130,6 +135,7 @@ def test_report_out_dir_partial_metrics_and_nan(tmp_path):
     assert s.reward == {"first": (1, 0.5), "last": (2, 0.9), "best": (2, 0.9)}
     assert s.stage_mean_s == {"time/generation": pytest.approx(1.0), "time/critic": pytest.approx(0.5 / 3)}
     assert s.stage_share["time/critic"] == pytest.approx(0.5 / 6.0)
+    assert s.untimed_share == pytest.approx(1 - 3.5 / 6.0)
     assert s.tokens_per_s_mean is None and s.kl == {}
     markdown = report.markdown.read_text()
     assert "Not drawn (metrics never logged): kl.png, throughput.png" in markdown

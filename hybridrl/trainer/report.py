@@ -20,7 +20,10 @@ from hybridrl.trainer.timers import STAGE_PREFIX, STEP_KEY
 logger = logging.getLogger(__name__)
 
 # Known stages in the order a step runs them; stages not listed here follow, sorted.
-STAGE_ORDER = ("generation", "transition", "reference", "reward", "critic", "actor_update")
+STAGE_ORDER = ("generation", "transition", "reward", "old_log_probs", "reference", "critic", "actor_update")
+# Stages measured inside another one: the hybrid engine's transition happens within generate_sequences,
+# so "time/generation" already includes "time/transition" (the loop adds the worker-measured seconds).
+NESTED_STAGES = {"time/transition": "time/generation"}
 LOSS_PREFIXES = ("actor/", "critic/")
 
 
@@ -37,6 +40,7 @@ class RunSummary:
     stage_mean_s: dict[str, float] = field(default_factory=dict)  # "time/<stage>" -> mean s per step
     stage_share: dict[str, float] = field(default_factory=dict)  # "time/<stage>" -> fraction of time/step
     step_mean_s: float | None = None
+    untimed_share: float | None = None  # share of time/step outside every top-level stage
     tokens_per_s_mean: float | None = None
     tokens_per_s_last: float | None = None
     kl: dict[str, float] = field(default_factory=dict)  # kl_mean first/last, kl_coef last
@@ -90,7 +94,8 @@ def _series(records: list[dict], key: str) -> list[tuple[int, float]]:
 
 def summarize(records: list[dict]) -> RunSummary:
     """Numbers for report.md. A stage absent from a step counts as 0 s in that step; a stage's share is
-    its total seconds over the total of "time/step" (nested stages overlap, so shares may sum > 100%)."""
+    its total seconds over the total of "time/step". Nested stages (NESTED_STAGES) are counted within
+    their parent, so only top-level shares plus "untimed" add up to 100%."""
     n = len(records)
     summary = RunSummary(steps=n, first_step=records[0]["step"], last_step=records[-1]["step"])
     rewards = _series(records, "reward_mean")
@@ -106,6 +111,9 @@ def summarize(records: list[dict]) -> RunSummary:
         summary.stage_mean_s[key] = total / n
         if step_total > 0:
             summary.stage_share[key] = total / step_total
+    if step_total > 0:
+        top_level = [k for k in summary.stage_share if _parent(k, summary.stage_share) is None]
+        summary.untimed_share = 1.0 - sum(summary.stage_share[k] for k in top_level)
     throughput = [v for _, v in _series(records, "tokens_per_s")]
     if throughput:
         summary.tokens_per_s_mean = sum(throughput) / len(throughput)
@@ -123,6 +131,11 @@ def summarize(records: list[dict]) -> RunSummary:
         if values:
             summary.last_losses[key] = values[-1][1]
     return summary
+
+
+def _parent(key: str, present) -> str | None:
+    parent = NESTED_STAGES.get(key)
+    return parent if parent in present else None
 
 
 def fmt(value: float) -> str:
@@ -181,7 +194,13 @@ def _plot_stage_times(records, ax) -> bool:
     bottom = [0.0] * len(records)
     for key in keys:
         heights = [_number(r.get(key)) or 0.0 for r in records]
-        ax.bar(steps, heights, bottom=bottom, label=key.removeprefix(STAGE_PREFIX), width=0.8)
+        label = key.removeprefix(STAGE_PREFIX)
+        children = [k for k in keys if _parent(k, keys) == key]
+        if children:  # draw the parent without its nested stages, so the stack adds up to the step
+            for child in children:
+                heights = [h - (_number(r.get(child)) or 0.0) for h, r in zip(heights, records)]
+            label += f" (excl. {', '.join(c.removeprefix(STAGE_PREFIX) for c in children)})"
+        ax.bar(steps, heights, bottom=bottom, label=label, width=0.8)
         bottom = [b + h for b, h in zip(bottom, heights)]
     total = _series(records, STEP_KEY)
     if total:
@@ -240,11 +259,14 @@ def render_markdown(run_dir: Path, summary: RunSummary, plots: list[Path], confi
         for key, mean in summary.stage_mean_s.items():
             share = summary.stage_share.get(key)
             share_text = f"{100 * share:.1f}%" if share is not None else "-"
-            lines.append(f"| {key.removeprefix(STAGE_PREFIX)} | {fmt(mean)} | {share_text} |")
-        if summary.step_mean_s is not None:
-            untimed = 1.0 - sum(summary.stage_share.values())
-            if untimed > 0:  # negative when stages nest; then "untimed" means nothing
-                lines.append(f"| (untimed) | {fmt(untimed * summary.step_mean_s)} | {100 * untimed:.1f}% |")
+            name = key.removeprefix(STAGE_PREFIX)
+            parent = _parent(key, summary.stage_mean_s)
+            if parent is not None:
+                name += f" (within {parent.removeprefix(STAGE_PREFIX)})"
+            lines.append(f"| {name} | {fmt(mean)} | {share_text} |")
+        untimed = summary.untimed_share
+        if summary.step_mean_s is not None and untimed is not None:
+            lines.append(f"| (untimed) | {fmt(untimed * summary.step_mean_s)} | {100 * untimed:.1f}% |")
             lines.append(f"| step (total) | {fmt(summary.step_mean_s)} | 100.0% |")
     else:
         lines.append("No stage times (time/<stage>) logged.")
