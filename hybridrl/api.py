@@ -249,6 +249,12 @@ class Actor(_Role):
         return _average(results)
 
 
+    def save_hf(self, out_dir: str) -> None:
+        """Export the current policy to a Hugging Face folder (safetensors + config) that transformers loads."""
+        self.group.export_hf(str(out_dir))
+        self.tokenizer.save_pretrained(str(out_dir))
+
+
 class ReferencePolicy(_Role):
     """The frozen initial policy; by default it takes the pool's layout (colocated with the actor)."""
 

@@ -29,6 +29,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
+    optimizer: str = "adam"  # adam | sgd
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -66,6 +67,8 @@ class RolloutConfig:
     max_new_tokens: int = 16
     reshard: str = "hybrid"  # hybrid | ds_chat | hybridflow_v
     bucket_mb: float = 64.0
+    max_model_len: Optional[int] = None  # None: data.max_prompt_length + max_new_tokens
+    max_batch_size: int = 64  # rows decoded together per generation replica (native engine)
 
 
 @dataclass
@@ -101,6 +104,7 @@ class RewardConfig:
     model: Optional[str] = None  # HF *ForSequenceClassification folder
     cost_fn: Optional[str] = None  # safe_rlhf
     cost_model: Optional[str] = None  # safe_rlhf
+    num_workers: int = 0  # rule rewards: 0 = on the driver, N = spread over N CPU Ray tasks
 
 
 @dataclass
@@ -133,7 +137,8 @@ class TrainerConfig:
     resume: str = "never"  # never | auto | PATH
     max_restarts: int = 0
     on_nan: str = "stop"  # stop | skip
-    tensorboard: bool = True
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # + wandb | mlflow
+    project: str = "hybridrl"  # wandb project / MLflow experiment
     progress_bar: bool = True
     call_timeout_s: float = 900.0
 

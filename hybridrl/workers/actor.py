@@ -158,6 +158,13 @@ class ActorWorker(_LogProbMixin, Worker):
         return _mean_metrics(history)
 
     @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> None:
+        """Write the current policy as a Hugging Face folder (collective; rank 0 writes)."""
+        from hybridrl.models.checkpoint_hf import export_hf_checkpoint
+
+        export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
     def describe(self) -> dict[str, Any]:
         return {"rank": self.rank, "gen_dp_rank": self.hybrid.gen_dp_rank, "gen_dp_size": self.hybrid.gen_dp_size,
                 "identity_transition": self.hybrid.identity, "rollout": asdict(self.rollout_spec)}

@@ -30,6 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class OptimSpec:
+    optimizer: str = "adam"  # adam | sgd (plain SGD: no momentum)
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -125,7 +126,7 @@ class MegatronModel:
         self.model = DistributedDataParallel(config, ddp_config, model)
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+            OptimizerConfig(optimizer=optim.optimizer, sgd_momentum=0.0, lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
                             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], clip_grad=optim.clip_grad,
                             use_distributed_optimizer=optim.use_distributed_optimizer, bf16=config.bf16,
                             fp16=config.fp16, params_dtype=config.params_dtype), [self.model])
@@ -204,7 +205,7 @@ class MegatronModel:
             raise RuntimeError("train_step on a frozen model (built without optim)")
         packed = rollout_rows(data)
         micro_batches, size = self._micro_batches(packed, extra)
-        local_tokens = sum(float(mb["response_mask"].sum()) for mb in micro_batches)
+        local_tokens = sum(float((mb["response_mask"] * mb["row_valid"].unsqueeze(1)).sum()) for mb in micro_batches)
         tokens = torch.tensor([local_tokens], dtype=torch.float64, device=micro_batches[0]["input_ids"].device)
         dp = parallel_state.get_data_parallel_world_size()
         if dp > 1:
@@ -221,7 +222,11 @@ class MegatronModel:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(micro_batches, size, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        if self._grads_finite():
+            ok, grad_norm, _ = self.optimizer.step()
+        else:  # never let NaN/inf reach the weights (or a checkpoint): skip this step on every rank
+            ok, grad_norm = False, float("nan")
+            self.optimizer.zero_grad()
         if self.scheduler is not None and ok:
             self.scheduler.step(increment=1)
         self.steps += 1
@@ -235,3 +240,16 @@ class MegatronModel:
                     result[key] = float(sum(o[key] * o["_tokens"] for o in outputs) / total)
         return result
 
+
+    def _grads_finite(self) -> bool:
+        """All-rank agreement that every gradient is finite (a collective over the role's process group)."""
+        bad = torch.zeros(1, device=next(self.inner.parameters()).device)
+        for param in self.inner.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                bad.fill_(1.0)
+                break
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return not bool(bad.item())

@@ -1,0 +1,235 @@
+"""The RL loop the CLI runs: one driver, plain serial Python over the role objects of hybridrl.api.
+
+One step (every algorithm): prompts -> actor.generate_sequences (hybrid engine transition + rollout)
+[-> greedy baseline for ReMax] -> rewards (rule function or reward model) [-> costs for Safe-RLHF]
+-> old log-probs (actor), reference log-probs, values (critics) -> advantages (algorithms/compute.py,
+KL as a reward penalty or a loss term) -> critic update(s) -> actor update -> KL controller / Lagrange
+multiplier -> metrics.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.algorithms.compute import compute_advantages
+from hybridrl.algorithms.kl_control import build_kl_controller
+from hybridrl.algorithms.lagrangian import LagrangeMultiplier
+from hybridrl.algorithms.losses import kl_penalty, masked_mean
+from hybridrl.config import ConfigError
+from hybridrl.trainer.plan import RunPlan
+from hybridrl.trainer.timers import StageTimer
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced NaN/inf (loss, gradients or rewards) and trainer.on_nan=stop."""
+
+
+class RLTrainer:
+    """Builds the data, the controllers and the roles from a checked RunPlan, then runs steps."""
+
+    def __init__(self, cfg: Any, plan: RunPlan) -> None:
+        from hybridrl.api import _tokenizer_for
+        from hybridrl.data.dataset import prompt_dataset_from_config
+        from hybridrl.data.loader import StatefulPromptLoader
+
+        self.cfg, self.plan = cfg, plan
+        alg = cfg.algorithm
+        self.tokenizer = _tokenizer_for(plan.roles["actor"].model_path)
+        try:
+            dataset = prompt_dataset_from_config(cfg.data, self.tokenizer)
+            self.loader = StatefulPromptLoader(dataset, cfg.data.batch_size, self.tokenizer.pad_token_id or 0,
+                                               seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        except (ValueError, KeyError, FileNotFoundError) as exc:
+            raise ConfigError(f"data: {exc}") from None
+        kl = dict(alg.kl)
+        self.kl_ctrl = build_kl_controller(**kl, total_steps=cfg.trainer.steps)
+        self.kl_mode, self.kl_estimator = kl["mode"], kl["estimator"]
+        self.lagrange = LagrangeMultiplier(alg.lagrangian_init, alg.lagrangian_lr, alg.cost_limit) \
+            if plan.algorithm.needs_cost_model else None
+        self.step = 0
+        self.roles: dict[str, Any] = {}
+        self.timer = StageTimer()
+
+    # ---- roles -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start Ray (local unless resources.ray_address) and every role on its pool."""
+        from hybridrl.api import Actor, Critic, ReferencePolicy, RewardModel
+        from hybridrl.controller import ResourcePool, ensure_ray
+
+        cfg, plan = self.cfg, self.plan
+        ensure_ray(num_devices=sum(plan.pools.values()), address=cfg.resources.ray_address)
+        self.pools = {name: ResourcePool(devices=n, name=name) for name, n in plan.pools.items()}
+        seed = cfg.trainer.seed
+        timeout = cfg.trainer.call_timeout_s
+
+        def parallel(role: str) -> dict | None:
+            layout = plan.roles[role].layout
+            return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "sequence_parallel": layout.sequence_parallel}
+
+        def pool(role: str):
+            return self.pools[plan.roles[role].pool]
+
+        a, r = cfg.actor, cfg.rollout
+        rollout = {"engine": r.engine, "tp": r.tp, "reshard": r.reshard, "max_model_len": plan.max_model_len,
+                   "max_batch_size": r.max_batch_size, "n": r.n, "temperature": r.temperature, "top_p": r.top_p,
+                   "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+        loss = {"clip_ratio": cfg.algorithm.clip_ratio, "entropy_coef": cfg.algorithm.entropy_coef,
+                "kl_estimator": self.kl_estimator}
+        self.roles["actor"] = Actor(plan.roles["actor"].model_path, parallel("actor"), rollout, pool("actor"),
+                                    optim=dict(a.optim), loss=loss, micro_batch_size=a.micro_batch_size,
+                                    dtype=a.model.dtype, tokenizer=self.tokenizer, seed=seed, call_timeout_s=timeout)
+        if "ref" in plan.roles:
+            self.roles["ref"] = ReferencePolicy(plan.roles["ref"].model_path, pool("ref"), parallel("ref"),
+                                                cfg.ref.micro_batch_size, cfg.ref.model.dtype, seed,
+                                                call_timeout_s=timeout)
+        for role in ("critic", "cost_critic"):
+            if role in plan.roles:
+                c = cfg.critic
+                self.roles[role] = Critic(plan.roles[role].model_path, pool(role), parallel(role), dict(c.optim),
+                                          c.micro_batch_size, c.model.dtype, seed, role=role, call_timeout_s=timeout)
+        for role, fn in (("reward", plan.reward_fn), ("cost", plan.cost_fn)):
+            if role in plan.roles:
+                self.roles[role] = RewardModel(model=plan.roles[role].model_path, resource_pool=pool(role),
+                                               parallel=parallel(role), micro_batch_size=cfg.ref.micro_batch_size,
+                                               seed=seed, role=role, call_timeout_s=timeout)
+            elif fn:
+                self.roles[role] = RewardModel(fn=fn, num_workers=cfg.reward.num_workers)
+
+    def close(self) -> None:
+        for role in self.roles.values():
+            try:
+                role.close()
+            except Exception:  # noqa: BLE001 - closing after a failure must not hide it
+                logger.debug("closing a role failed", exc_info=True)
+        for pool in getattr(self, "pools", {}).values():
+            pool.shutdown()
+        self.roles = {}
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg, plan, roles, timer = self.cfg, self.plan, self.roles, self.timer
+        alg, spec = cfg.algorithm, plan.algorithm
+        actor = roles["actor"]
+        timer.start_step()
+        prompts = self.loader.next_batch()
+        seed = cfg.trainer.seed * 100_003 + self.step
+        with timer("generation"):
+            out = actor.generate_sequences(prompts, seed=seed)
+            greedy = actor.generate_sequences(prompts, greedy=True) if spec.needs_greedy_baseline else None
+        timer.add("transition", out.sequences.meta.get("timing", {}).get("transition", 0.0)
+                  + (greedy.sequences.meta.get("timing", {}).get("transition", 0.0) if greedy else 0.0))
+        n = cfg.rollout.n
+        mask = out.mask
+        with timer("reward"):
+            scores = self._score("reward", out)
+            baseline = self._score("reward", greedy).repeat_interleave(n) if greedy is not None else None
+            costs = self._score("cost", out) if spec.needs_cost_model else None
+        if not self._finite_scores(scores, baseline, costs):
+            timer.pop()
+            self.step += 1
+            return {"skipped": 1.0}
+        with timer("old_log_probs"):
+            old_log_probs = actor.compute_log_probs(out)
+        ref_log_probs = None
+        kl_coef = self.kl_ctrl.value
+        if "ref" in roles:
+            with timer("reference"):
+                ref_log_probs = roles["ref"].get_log_probs(out)
+        values = cost_values = None
+        if "critic" in roles:
+            with timer("critic"):
+                values = roles["critic"].compute_values(out)
+                if "cost_critic" in roles:
+                    cost_values = roles["cost_critic"].compute_values(out)
+        token_kl = None
+        if ref_log_probs is not None:
+            token_kl = kl_penalty(old_log_probs, ref_log_probs, self.kl_estimator) * mask
+        index = torch.arange(len(prompts)).repeat_interleave(n)
+        result = compute_advantages(
+            alg.name, scores, mask, kl=token_kl if self.kl_mode == "reward" else None, kl_coef=kl_coef,
+            index=index, baseline_scores=baseline, values=values, cost_scores=costs, cost_values=cost_values,
+            lagrange_multiplier=self.lagrange.value if self.lagrange else None, gamma=alg.gamma, lam=alg.lam)
+        metrics: dict[str, float] = {}
+        epochs, minis = alg.ppo_epochs, plan.mini_batches
+        if "critic" in roles:
+            with timer("critic"):
+                metrics.update(roles["critic"].update(out, result.returns, values, alg.value_clip, minis, epochs))
+                if "cost_critic" in roles:
+                    cost_metrics = roles["cost_critic"].update(out, result.cost_returns, cost_values, alg.value_clip,
+                                                               minis, epochs)
+                    metrics.update({k.replace("critic/", "cost_critic/"): v for k, v in cost_metrics.items()})
+        with timer("actor_update"):
+            kl_loss = self.kl_mode == "loss" and ref_log_probs is not None
+            metrics.update({f"actor/{k}" if "/" not in k else k: v for k, v in actor.update(
+                actions=out, advantages=result.advantages, old_log_probs=old_log_probs,
+                ref_log_probs=ref_log_probs if kl_loss else None, kl_loss_coef=kl_coef if kl_loss else 0.0,
+                mini_batches=minis, epochs=epochs).items()})
+        sequence_kl = float(((old_log_probs - ref_log_probs) * mask).sum(-1).mean()) if ref_log_probs is not None else 0.0
+        self.kl_ctrl.update(sequence_kl, n_steps=len(out))
+        if self.lagrange is not None:
+            metrics["lagrange_multiplier"] = self.lagrange.value
+            metrics["cost_mean"] = float(costs.mean())
+            self.lagrange.update(float(costs.mean()))
+        self.step += 1
+        times = timer.pop()
+        prompt_tokens = float(out.sequences["attention_mask"][:, :out.sequences["prompts"].shape[1]].sum())
+        response_tokens = float(mask.sum())
+        metrics.update({
+            "reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "kl_mean": sequence_kl, "kl_coef": kl_coef,
+            "advantage_mean": float(masked_mean(result.advantages, mask)),
+            "response_length_mean": response_tokens / len(out), "prompt_length_mean": prompt_tokens / len(out),
+            "tokens_per_s": (prompt_tokens + response_tokens) / max(times.get("time/step", 0.0), 1e-9),
+            **({"baseline_reward_mean": float(baseline.mean())} if baseline is not None else {}),
+            **times})
+        self._check_finite(metrics)
+        return metrics
+
+    def _score(self, role: str, rollout: Any) -> torch.Tensor:
+        return self.roles[role].score(None, rollout).float()
+
+    def _finite_scores(self, *scores: torch.Tensor | None) -> bool:
+        """False (skip the step) when a reward / cost is NaN or inf and trainer.on_nan=skip; raises on stop."""
+        if all(s is None or bool(torch.isfinite(s).all()) for s in scores):
+            return True
+        message = f"step {self.step}: non-finite rewards or costs"
+        if self.cfg.trainer.on_nan == "stop":
+            raise NonFiniteError(message + " (trainer.on_nan=stop; set trainer.on_nan=skip to skip such steps)")
+        logger.warning("%s: step skipped, no update (trainer.on_nan=skip)", message)
+        return False
+
+    def _check_finite(self, metrics: dict[str, float]) -> None:
+        bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+        if "actor/update_ok" in metrics and metrics["actor/update_ok"] < 1:
+            bad.append("actor gradients")
+        if bad:
+            message = f"step {self.step}: non-finite values in {bad}"
+            if self.cfg.trainer.on_nan == "stop":
+                raise NonFiniteError(message + " (trainer.on_nan=stop; set trainer.on_nan=skip to skip such steps)")
+            logger.warning("%s: update skipped (trainer.on_nan=skip)", message)
+
+    # ---- the run -----------------------------------------------------------------------------------------
+    def fit(self, tracker: Any) -> list[dict[str, float]]:
+        history = []
+        while self.step < self.cfg.trainer.steps:
+            metrics = self.train_step()
+            tracker.log(self.step, metrics)
+            if self.cfg.trainer.log_every and self.step % self.cfg.trainer.log_every == 0:
+                line = tracker.show(self.step, metrics) if self.cfg.trainer.progress_bar else \
+                    tracker.console_line(self.step, metrics)
+                if not self.cfg.trainer.progress_bar:
+                    print(line, flush=True)
+            history.append(metrics)
+        return history
+
+
+def run_dir_for(cfg: Any) -> Path:
+    from hybridrl.trainer.tracking import new_run_dir
+
+    return new_run_dir(cfg.trainer.run_dir, cfg.algorithm.name)

@@ -1,0 +1,194 @@
+"""From a config to a checked run plan: which roles exist, on which pool, in which layout.
+
+`plan_run(cfg)` is called on the driver before Ray or any worker starts; every problem is a ConfigError
+that names the option and the fix (unknown algorithm, a layout that does not fit the pool or the model,
+a batch that does not split over data-parallel ranks, a missing model folder, an unimportable reward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridrl.algorithms.registry import AlgorithmSpec, validate_algorithm
+from hybridrl.config import ConfigError
+from hybridrl.parallel.layout import LayoutError, ParallelLayout
+
+DEFAULT_POOL = "default"
+
+
+@dataclass
+class RolePlan:
+    name: str  # actor | ref | critic | cost_critic | reward | cost
+    pool: str
+    layout: ParallelLayout
+    model_path: str
+
+
+@dataclass
+class RunPlan:
+    algorithm: AlgorithmSpec
+    pools: dict[str, int]  # pool name -> devices
+    roles: dict[str, RolePlan] = field(default_factory=dict)
+    reward_fn: str | None = None
+    cost_fn: str | None = None
+    max_model_len: int = 0
+    rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
+    mini_batches: int = 1
+    needs_reference: bool = True
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _model_dir(path: str | None, option: str) -> str:
+    if path is None:
+        from hybridrl.models.tiny import default_model_dir
+
+        return str(default_model_dir())
+    folder = Path(path).expanduser()
+    _check(folder.is_dir() and (folder / "config.json").is_file(),
+           f"{option}={path!r}: no Hugging Face model folder there (expected config.json); give a local folder")
+    return str(folder)
+
+
+def _layout(role: str, role_cfg: Any, devices: int, pool: str) -> ParallelLayout:
+    par = role_cfg.parallel
+    _check(par.tp >= 1 and par.pp >= 1, f"{role}.parallel.tp/pp must be >= 1")
+    _check(devices % (par.tp * par.pp) == 0,
+           f"{role}.parallel: tp={par.tp} x pp={par.pp} does not divide pool {pool!r}'s {devices} devices; "
+           f"choose tp*pp in {[d for d in range(1, devices + 1) if devices % d == 0]}")
+    dp = par.dp or devices // (par.tp * par.pp)
+    _check(par.tp * par.pp * dp == devices,
+           f"{role}.parallel: tp*pp*dp = {par.tp}*{par.pp}*{dp} != {devices} devices of pool {pool!r}; "
+           f"leave dp unset to fill the pool")
+    try:
+        return ParallelLayout(tp=par.tp, pp=par.pp, dp=dp, sequence_parallel=par.sequence_parallel)
+    except LayoutError as exc:
+        raise ConfigError(f"{role}.parallel: {exc}") from None
+
+
+def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
+    from hybridrl.models import load_hf_config
+
+    hf = load_hf_config(path)
+    try:
+        layout.check_model(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                           hf.num_hidden_layers)
+    except LayoutError as exc:
+        raise ConfigError(f"{role}.parallel with model {path}: {exc}") from None
+
+
+def plan_run(cfg: Any) -> RunPlan:
+    """Validate `cfg` and decide placement; no Ray, no worker, no model weights touched."""
+    from hybridrl.rollout import ENGINES
+    from hybridrl.hybrid_engine.plan import STRATEGIES
+    from hybridrl.algorithms.kl_control import KL_CONTROLLER_TYPES
+
+    alg, roll, data, res, tr = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources, cfg.trainer
+    has_cost = bool(cfg.reward.cost_model or cfg.reward.cost_fn)
+    try:
+        spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
+    _check(roll.engine in ENGINES, f"rollout.engine={roll.engine!r}; choose one of {list(ENGINES)}")
+    _check(roll.pp == 1, f"rollout.pp={roll.pp}: generation pipeline parallelism is not supported; set rollout.pp=1")
+    _check(roll.reshard in STRATEGIES, f"rollout.reshard={roll.reshard!r}; choose one of {list(STRATEGIES)}")
+    _check(tr.steps >= 1, f"trainer.steps={tr.steps} must be >= 1")
+    _check(tr.on_nan in ("stop", "skip"), f"trainer.on_nan={tr.on_nan!r}; choose stop or skip")
+    _check(data.batch_size >= 1, f"data.batch_size={data.batch_size} must be >= 1")
+    _check(res.devices >= 1, f"resources.devices={res.devices} must be >= 1")
+
+    pools = {DEFAULT_POOL: int(res.devices), **{str(k): int(v) for k, v in res.pools.items()}}
+    for name, devices in pools.items():
+        _check(devices >= 1, f"resources.pools.{name}={devices} must be >= 1")
+
+    plan = RunPlan(algorithm=spec, pools=pools)
+    plan.rows_per_step = data.batch_size * roll.n
+    max_len = roll.max_model_len or data.max_prompt_length + roll.max_new_tokens
+    _check(max_len >= data.max_prompt_length + roll.max_new_tokens,
+           f"rollout.max_model_len={max_len} < data.max_prompt_length + rollout.max_new_tokens = "
+           f"{data.max_prompt_length + roll.max_new_tokens}; raise it or leave it unset")
+    plan.max_model_len = max_len
+
+    wanted = ["actor"]
+    plan.needs_reference = spec.uses_reference and (alg.kl.coef > 0 or alg.kl.mode == "loss")
+    if plan.needs_reference:
+        wanted.append("ref")
+    if spec.needs_critic:
+        wanted.append("critic")
+    if spec.needs_cost_model:
+        wanted.append("cost_critic")
+    if cfg.reward.model:
+        wanted.append("reward")
+    if spec.needs_cost_model and cfg.reward.cost_model:
+        wanted.append("cost")
+    role_cfgs = {"actor": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "cost_critic": cfg.critic,
+                 "reward": cfg.ref, "cost": cfg.ref}
+    actor_path = _model_dir(cfg.actor.model.path, "actor.model.path")
+    paths = {"actor": actor_path,
+             "ref": _model_dir(cfg.ref.model.path, "ref.model.path") if cfg.ref.model.path else actor_path,
+             "critic": _model_dir(cfg.critic.model.path, "critic.model.path") if cfg.critic.model.path else actor_path,
+             "reward": cfg.reward.model and _model_dir(cfg.reward.model, "reward.model"),
+             "cost": cfg.reward.cost_model and _model_dir(cfg.reward.cost_model, "reward.cost_model")}
+    paths["cost_critic"] = paths["critic"]
+    held: dict[str, tuple[str, ParallelLayout]] = {}  # pool -> (first role, its layout): colocated roles share it
+    for role in wanted:
+        role_cfg = role_cfgs[role]
+        pool = role_cfg.pool
+        _check(pool in pools, f"{role}.pool={pool!r} is not a pool; define resources.pools.{pool}=<devices> "
+                              f"or use {sorted(pools)}")
+        layout = _layout(role, role_cfg, pools[pool], pool)
+        if pool in held:
+            first, shared = held[pool]
+            explicit = (role_cfg.parallel.tp, role_cfg.parallel.pp) != (1, 1)
+            _check(not explicit or (layout.tp, layout.pp) == (shared.tp, shared.pp),
+                   f"{role}.parallel (tp={layout.tp}, pp={layout.pp}) differs from {first}'s (tp={shared.tp}, "
+                   f"pp={shared.pp}) on the shared pool {pool!r}: colocated roles share one layout; drop "
+                   f"{role}.parallel or put {role} on its own pool ({role}.pool + resources.pools)")
+            layout = shared
+        else:
+            held[pool] = (role, layout)
+        _check_model_fits(role, paths[role], layout)
+        plan.roles[role] = RolePlan(role, pool, layout, paths[role])
+
+    actor = plan.roles["actor"].layout
+    _check(actor.tp % roll.tp == 0 and roll.tp <= actor.tp,
+           f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.tp} (a generation shard is regrouped from "
+           f"whole training shards); choose rollout.tp in {[d for d in range(1, actor.tp + 1) if actor.tp % d == 0]}")
+    mini = 1
+    if alg.mini_batch_size:
+        _check(plan.rows_per_step % alg.mini_batch_size == 0,
+               f"algorithm.mini_batch_size={alg.mini_batch_size} must divide data.batch_size * rollout.n = "
+               f"{plan.rows_per_step}")
+        mini = plan.rows_per_step // alg.mini_batch_size
+    plan.mini_batches = mini
+    for role in ("actor", "critic", "cost_critic"):
+        if role in plan.roles:
+            dp = plan.roles[role].layout.dp
+            _check(plan.rows_per_step % dp == 0 and plan.rows_per_step // dp >= mini,
+                   f"data.batch_size * rollout.n = {plan.rows_per_step} sequences must split evenly over {role}'s "
+                   f"dp={dp} data-parallel ranks with at least {mini} per rank (one per mini-batch); change "
+                   f"data.batch_size or the layout")
+
+    from hybridrl.data.tasks import task_reward_path
+    from hybridrl.workers.rule_reward import load_reward_fn
+
+    if not cfg.reward.model:
+        plan.reward_fn = cfg.reward.fn or task_reward_path()
+    if spec.needs_cost_model and not cfg.reward.cost_model:
+        plan.cost_fn = cfg.reward.cost_fn
+    for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):
+        if path:
+            try:
+                load_reward_fn(path)
+            except ValueError as exc:
+                raise ConfigError(str(exc).replace("reward.fn", option)) from None
+    for file in data.train_files:
+        _check(Path(file).exists(), f"data.train_files: {file!r} does not exist")
+    _check(tr.resume in ("never", "auto") or Path(tr.resume).exists(),
+           f"trainer.resume={tr.resume!r}: use never, auto or an existing checkpoint folder")
+    return plan
