@@ -51,6 +51,8 @@ def test_bad_tp_settings_refused_before_any_engine():
         check_tp_groups(None, 0, 4)
     assert check_tp_groups(None, 1, 3) == [[0], [1], [2]]
     assert check_tp_groups(None, 1, None) is None
+    assert check_tp_groups(None, 1, 1) is None  # a one-rank world keeps the lone engine
+    assert check_tp_groups([[0]], 1, 1) == [[0]]
 
 
 # ---- the real thing on 4 gloo ranks -------------------------------------------------------------------

@@ -71,7 +71,7 @@ def check_tp_groups(tp_groups: Sequence[Sequence[int]] | None, tensor_parallel_s
     """Refuse a generation TP setting vLLM cannot be given, before any engine starts.
 
     `world_size` is the torch.distributed world (None when it is not initialised). Returns the TP groups to
-    build (None: a lone single-process engine)."""
+    build (None: a lone single-process engine, also used in a one-rank world unless groups are given)."""
     tp = tensor_parallel_size
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"rollout.tp must be an integer >= 1, got {tp!r}")
@@ -82,6 +82,8 @@ def check_tp_groups(tp_groups: Sequence[Sequence[int]] | None, tensor_parallel_s
                 f"processes: initialise torch.distributed first (every rank builds the engine) and pass "
                 f"tp_groups=GenerationGroups.gen_tp_groups(); without a process group only rollout.tp=1 works")
         return None
+    if tp_groups is None and tp == 1 and world_size == 1:
+        return None  # a one-rank world: the lone engine works as it is
     if tp_groups is None:
         if tp > 1:
             raise ValueError(
@@ -166,6 +168,8 @@ class VllmRolloutEngine(RolloutEngine):
         else:
             kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
         if self.tp_groups is None:
+            if world_size is not None:
+                self._keep_world_if_possible()
             kwargs["distributed_executor_backend"] = "uni"
             self.llm = LLM(**kwargs)
         else:
@@ -186,6 +190,16 @@ class VllmRolloutEngine(RolloutEngine):
                 f"another vLLM engine in this process still holds vLLM's parallel state (TP group "
                 f"{parallel_state.get_tp_group().ranks}); close() it before building one with TP groups "
                 f"{self.tp_groups}")
+
+    @staticmethod
+    def _keep_world_if_possible() -> None:
+        """A lone engine in a one-rank world: keep that world alive when the engine shuts down."""
+        from megatron_patches import vllm_tp_group
+
+        try:
+            vllm_tp_group.keep_torch_world()
+        except vllm_tp_group.UnsupportedVllmVersion as exc:
+            logger.warning("vLLM engine shutdown may destroy this process's torch.distributed group: %s", exc)
 
     def _build_spmd(self, llm_class: Any, kwargs: dict[str, Any], world_size: int) -> Any:
         from megatron_patches import vllm_tp_group
