@@ -7,30 +7,34 @@ import pytest
 from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES, ModelShapes, ParamSpec
 
 HIDDEN, VOCAB, FFN, LAYERS = 8, 16, 16, 4
+LAYOUTS_2 = [((2, 1, 1), (1, 1)), ((1, 2, 1), (1, 1))]  # two ranks
+BALANCED = [((2, 2, 1), (1, 1)), ((4, 1, 1), (2, 1)), ((2, 2, 1), (1, 2))]
 LAYOUTS = [((2, 2, 1), (1, 1)), ((2, 2, 1), (2, 1)), ((2, 2, 1), (1, 2)), ((2, 2, 1), (2, 2)),
            ((4, 1, 1), (2, 1)), ((4, 1, 1), (1, 1)), ((4, 1, 1), (4, 1)), ((2, 1, 2), (1, 1)),
            ((1, 2, 2), (1, 1)), ((1, 4, 1), (1, 2))]
 
 
-def _specs() -> list[ParamSpec]:
-    specs = [ParamSpec("embedding.word_embeddings.weight", (VOCAB, HIDDEN), 0, None, "embedding")]
+def _specs(norms: bool = True, ends: bool = True) -> list[ParamSpec]:
+    """Llama-shaped synthetic tensors; without norms/ends every tensor is TP-partitioned and stages are equal."""
+    specs = [ParamSpec("embedding.word_embeddings.weight", (VOCAB, HIDDEN), 0, None, "embedding")] if ends else []
     for layer in range(LAYERS):
         pre = f"decoder.layers.{layer}."
-        specs += [ParamSpec(pre + "input_layernorm.weight", (HIDDEN,), None, layer, "layer"),
-                  ParamSpec(pre + "self_attention.linear_qkv.weight", (3 * HIDDEN, HIDDEN), 0, layer, "layer"),
+        specs += [ParamSpec(pre + "input_layernorm.weight", (HIDDEN,), None, layer, "layer")] if norms else []
+        specs += [ParamSpec(pre + "self_attention.linear_qkv.weight", (3 * HIDDEN, HIDDEN), 0, layer, "layer"),
                   ParamSpec(pre + "self_attention.linear_proj.weight", (HIDDEN, HIDDEN), 1, layer, "layer"),
                   ParamSpec(pre + "mlp.linear_fc1.weight", (2 * FFN, HIDDEN), 0, layer, "layer", GATED_HALVES),
                   ParamSpec(pre + "mlp.linear_fc2.weight", (HIDDEN, FFN), 1, layer, "layer")]
-    specs += [ParamSpec("decoder.final_layernorm.weight", (HIDDEN,), None, None, "final"),
-              ParamSpec("output_layer.weight", (VOCAB, HIDDEN), 0, None, "final")]
+    if ends:
+        specs += [ParamSpec("decoder.final_layernorm.weight", (HIDDEN,), None, None, "final"),
+                  ParamSpec("output_layer.weight", (VOCAB, HIDDEN), 0, None, "final")]
     return specs
 
 
-def _full_tensors():
+def _full_tensors(specs):
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    return {s.name: torch.randn(s.shape, generator=gen) for s in _specs()}
+    return {s.name: torch.randn(s.shape, generator=gen) for s in specs}
 
 
 def _megatron_shard(full, spec: ParamSpec, tp: int, rank: int):
@@ -53,7 +57,7 @@ def _stage(spec: ParamSpec, pp: int) -> int:
     return spec.layer // (LAYERS // pp)
 
 
-def _reshard_on_rank(train_tpd, gen_tp_pp):
+def _reshard_on_rank(train_tpd, gen_tp_pp, specs=None, small_bucket=256):
     import torch
     import torch.distributed as dist
 
@@ -61,52 +65,109 @@ def _reshard_on_rank(train_tpd, gen_tp_pp):
     from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
     from hybridrl.parallel.layout import ParallelLayout
 
+    specs = specs or _specs()
     (t, p, d), (tg, pg) = train_tpd, gen_tp_pp
     groups = GenerationGroups(ParallelLayout(tp=t, pp=p, dp=d), GenerationLayout(tp=tg, pp=pg))
     rank = dist.get_rank()
     c = groups.train.coords(rank)
-    full = _full_tensors()
+    full = _full_tensors(specs)
     params = [ShardedParam(s.name, _megatron_shard(full[s.name], s, t, c.tp).clone(), s.partition_dim,
-                           _stage(s, p), s.regroup) for s in _specs() if _stage(s, p) == c.pp]
+                           _stage(s, p), s.regroup) for s in specs if _stage(s, p) == c.pp]
+    originals = [prm.tensor.clone() for prm in params]
     shard = groups.gen_shard(rank)
-    expected = {s.name: _megatron_shard(full[s.name], s, tg, shard.gen_tp) for s in _specs()
+    expected = {s.name: _megatron_shard(full[s.name], s, tg, shard.gen_tp) for s in specs
                 if _stage(s, pg) == shard.gen_pp}
     report = {}
-    for strategy in ("hybrid", "ds_chat", "hybridflow_v"):
-        resharder = Resharder(groups, params, strategy)
-        got = resharder.to_generation()
-        mismatched = sorted(n for n in expected if n not in got or not torch.equal(got[n], expected[n]))
-        extra = sorted(set(got) - set(expected))
-        stats = resharder.last_stats
-        resharder.to_training()
-        report[strategy] = {"mismatched": mismatched, "extra": extra, "recv_payload": stats.recv_payload_bytes,
-                            "recv_wire": stats.recv_wire_bytes, "buffer": stats.buffer_bytes}
-    untouched = all(torch.equal(prm.tensor, _megatron_shard(full[prm.name], next(s for s in _specs()
-                                                                                 if s.name == prm.name), t, c.tp))
-                    for prm in params)
-    return report, untouched
+    runs = [("hybrid", {}), ("hybrid_small_bucket", {"bucket_bytes": small_bucket}), ("ds_chat", {}),
+            ("hybridflow_v", {})]
+    for label, kwargs in runs:
+        resharder = Resharder(groups, params, label.split("_small")[0], **kwargs)
+        for _ in range(2):  # a second round trip reuses the same schedule and storages
+            got = resharder.to_generation()
+            mismatched = sorted(n for n in expected if n not in got or not torch.equal(got[n], expected[n]))
+            extra = sorted(set(got) - set(expected))
+            storages = {v.untyped_storage().data_ptr() for v in got.values()}
+            freed = sum(prm.tensor.untyped_storage().nbytes() == 0 for prm in params)
+            stats = resharder.last_stats
+            resharder.to_training()
+        report[label] = {"mismatched": mismatched, "extra": extra, "recv_payload": stats.recv_payload_bytes,
+                         "recv_wire": stats.recv_wire_bytes, "buffer": stats.buffer_bytes,
+                         "held": stats.held_bytes, "kept": stats.kept_bytes, "scratch": stats.scratch_bytes,
+                         "released": stats.released_training_bytes, "peak": stats.peak_extra_bytes,
+                         "one_storage": len(storages) == 1, "freed_params": freed,
+                         "gen_views_dropped": all(v.untyped_storage().nbytes() == 0 for v in got.values()),
+                         "untouched": all(torch.equal(prm.tensor, o) for prm, o in zip(params, originals))}
+    return report, len(params)
 
 
-@pytest.mark.parametrize("train,gen", LAYOUTS, ids=[f"{a}->{b}" for a, b in LAYOUTS])
-def test_reshard_matches_megatron_slices_and_accounting(dist_pool, train, gen):
+def _check_against_accounting(results, train, gen, specs, small_bucket=256):
+    """Bytes moved equal the plan for every strategy; memory held: in-place hybrid vs gather-all baselines."""
+    from fractions import Fraction
+
     from hybridrl.hybrid_engine.accounting import account
     from hybridrl.hybrid_engine.plan import HybridEnginePlan
     from hybridrl.parallel.generation import GenerationLayout
     from hybridrl.parallel.layout import ParallelLayout
 
-    results = dist_pool(4).run(_reshard_on_rank, train, gen)
     (t, p, d), (tg, pg) = train, gen
     plan = HybridEnginePlan(ParallelLayout(tp=t, pp=p, dp=d), GenerationLayout(tp=tg, pp=pg),
-                            ModelShapes("synthetic", tuple(_specs()), LAYERS, 8, 8), dtype_bytes=4)
-    for strategy in ("hybrid", "ds_chat", "hybridflow_v"):
-        costs = account(plan, strategy).ranks
-        for rank, (report, untouched) in enumerate(results):
-            got = report[strategy]
-            assert untouched, f"rank {rank}: training shards changed"
-            assert got["mismatched"] == [] and got["extra"] == [], (strategy, rank, got)
-            assert got["recv_payload"] == costs[rank].recv_payload, (strategy, rank)
-            assert got["recv_wire"] == costs[rank].recv_payload + costs[rank].recv_padding, (strategy, rank)
-            assert got["buffer"] == costs[rank].buffer_payload + costs[rank].buffer_padding, (strategy, rank)
+                            ModelShapes("synthetic", tuple(specs), LAYERS, 8, 8), dtype_bytes=4)
+    for label in ("hybrid", "hybrid_small_bucket", "ds_chat", "hybridflow_v"):
+        costs = account(plan, label.split("_small")[0]).ranks
+        for rank, (report, n_params) in enumerate(results):
+            got, cost = report[label], costs[rank]
+            assert got["untouched"], f"{label} rank {rank}: training weights changed by a round trip"
+            assert got["mismatched"] == [] and got["extra"] == [], (label, rank, got)
+            assert got["recv_payload"] == cost.recv_payload, (label, rank)
+            if label in ("hybrid", "hybrid_small_bucket"):
+                # in place: one generation buffer, exactly the generation shard, no padding on the wire
+                assert got["one_storage"] and got["gen_views_dropped"], (label, rank)
+                assert got["recv_wire"] == cost.recv_payload, (label, rank)
+                assert got["buffer"] == cost.buffer_payload, (label, rank)
+                assert got["freed_params"] == n_params, (label, rank)  # the slot is the only copy
+                assert got["released"] == plan.training_bytes(rank), (label, rank)
+                assert got["kept"] == cost.redundant, (label, rank)  # norms held but owned by another TP rank
+                assert got["held"] == cost.buffer_payload - plan.training_bytes(rank) + cost.redundant, (label, rank)
+                bucket = small_bucket if label == "hybrid_small_bucket" else 32 << 20
+                assert got["scratch"] <= bucket and got["peak"] <= cost.buffer_payload + max(bucket, got["kept"])
+            else:
+                assert got["recv_wire"] == cost.recv_payload + cost.recv_padding, (label, rank)
+                assert got["buffer"] == cost.buffer_payload + cost.buffer_padding, (label, rank)
+                assert got["held"] >= plan.model_bytes and got["freed_params"] == 0, (label, rank)
+    # Table 2 zero redundancy, measured: mean extra held = M_g/(t_g p_g) - M_t/(t p), where M_g counts norms
+    # once per generation TP rank and M_t once per training TP rank (both = M when every tensor is partitioned)
+    partitioned = sum(sum(row) for row in plan.table.partitioned) * 4
+    replicated = sum(plan.table.replicated) * 4
+    mean_held = Fraction(sum(r[0]["hybrid"]["held"] for r in results), len(results))
+    want = Fraction(partitioned + tg * replicated, tg * pg) - Fraction(partitioned + t * replicated, t * p)
+    assert mean_held == want + Fraction(sum(c.redundant for c in account(plan, "hybrid").ranks), len(results))
+    return plan
+
+
+@pytest.mark.parametrize("train,gen", LAYOUTS, ids=[f"{a}->{b}" for a, b in LAYOUTS])
+def test_reshard_matches_megatron_slices_and_accounting(dist_pool, train, gen):
+    results = dist_pool(4).run(_reshard_on_rank, train, gen)
+    _check_against_accounting(results, train, gen, _specs())
+
+
+@pytest.mark.parametrize("train,gen", LAYOUTS_2, ids=[f"{a}->{b}" for a, b in LAYOUTS_2])
+def test_reshard_two_ranks(dist_pool, train, gen):
+    results = dist_pool(2).run(_reshard_on_rank, train, gen)
+    _check_against_accounting(results, train, gen, _specs())
+
+
+@pytest.mark.parametrize("train,gen", BALANCED, ids=[f"{a}->{b}" for a, b in BALANCED])
+def test_zero_redundancy_exact_per_rank(dist_pool, train, gen):
+    """Every tensor TP-partitioned, equal stages: each rank holds exactly M/(t_g p_g) - M/(t p) extra while
+    generating; the baselines hold at least M."""
+    specs = _specs(norms=False, ends=False)
+    results = dist_pool(4).run(_reshard_on_rank, train, gen, specs)
+    plan = _check_against_accounting(results, train, gen, specs)
+    (t, p, _), (tg, pg) = train, gen
+    m = plan.model_bytes
+    for report, _ in results:
+        assert report["hybrid"]["held"] == m // (tg * pg) - m // (t * p)
+        assert report["ds_chat"]["held"] >= m and report["hybridflow_v"]["held"] >= m
 
 
 def test_specs_cover_concat_rule():

@@ -4,29 +4,55 @@ Model-agnostic core: it takes this rank's training shards as `ShardedParam`s (gl
 regroup rule, pipeline place) and returns the generation shard's tensors by name. The Megatron GPT glue
 (training params in, generation-layout model out) is hybrid_engine/megatron_adapter.py.
 
-One all-gather per gather group (the plan's): every member packs its contribution into one flat slot
-(equal slots: padding at the end), the slots are gathered into one buffer, and each rank rebuilds the
-tensors of its generation shard from the members' slots with the plan's regroup rules. The metadata (names,
-shapes) of every member is exchanged once, at construction.
+hybrid (in place). The generation shard lives in ONE flat generation buffer, laid out per parameter in the
+generation layout (stage by stage, each tensor contiguous), and every returned tensor is a view of it. The
+buffer is filled by collectives inside the micro-DP group whose outputs ARE views of the buffer:
+  - a tensor every member holds (a layer of each merged stage, TP-partitioned; or replicated with t_g = t):
+    one all-gather, member i's piece lands in its place: dim-0 concat (QKV, embedding, output layer, fc1 gate
+    rows, fc1 up rows: the gated fc1 is two all-gathers, so its regroup costs no copy) is in place;
+  - a tensor only some members hold (embedding / final norm / output layer of one merged stage, norms with
+    t_g < t): one broadcast per holder (owner of a replicated tensor: the first training TP rank of the
+    generation TP shard), received in place; no padding is ever sent;
+  - a dim-1 partition (linear_proj, fc2) with t_g < t: its column blocks are strided in the generation
+    tensor, so the pieces are gathered into a scratch bucket and copied into place (the one documented extra
+    copy; at most one bucket alive).
+Every collective's output is at most one bucket (large tensors go in row pieces), so the scratch and any
+staging inside the collective backend are bounded by the bucket. The rank's own training shard reaches its
+slot once (inside its own all-gather, or one copy when it is the broadcast root). With release_training
+(default) the training parameters' storages are then freed while generating: the slot in the generation
+buffer is the only copy of the rank's training shard, so the extra memory held during generation is the
+generation shard minus the training shard (HybridFlow Table 2: M/(t_g p_g) - M/(t p)), plus the few replicated
+tensors the rank holds but does not own (kept aside). to_training() reallocates the training storages, copies
+the own slots back (bit-identical) and frees the generation buffer.
 
-This first cut is out of place: the rank's own slot is a copy of its training parameters, and the regrouped
-generation tensors are built by concatenation from the buffer (views where no regrouping is needed). The
-bytes moved and the buffer size are reported per call (`last_stats`) and equal the accounting's numbers.
+Baselines (ds_chat, hybridflow_v; out of place, for measurement): every member packs its contribution into
+one flat slot (equal slots: padding at the end), the slots are gathered into one buffer of the whole model,
+and each rank rebuilds its generation shard from it (views where no regrouping is needed, concatenations
+otherwise). The training parameters stay (their redundancy is the point of the comparison).
+
+Bytes moved, memory allocated and copies are reported per call in `last_stats`; bytes equal the plan's
+accounting (hybrid_engine/accounting.py).
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from hybridrl.hybrid_engine.model_shapes import CONCAT, ParamSpec
+from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES, ParamSpec
 from hybridrl.hybrid_engine.plan import check_strategy, generation_shard_from_training, \
     training_shard_from_generation
 from hybridrl.parallel.generation import GenerationGroups
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+# one contiguous output for all members (torch >= 2.13 names it all_gather_single)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_LAYER_NAME = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 
 
 @dataclass
@@ -49,10 +75,19 @@ class _Meta:
 
 @dataclass
 class ReshardStats:
+    """One to_generation() call. Memory is counted from the tensors this code allocates and frees."""
     recv_payload_bytes: int = 0
     recv_wire_bytes: int = 0        # payload + padding actually received
-    buffer_bytes: int = 0           # gather buffer, padding included
+    buffer_bytes: int = 0           # gather buffer (hybrid: the generation buffer), padding included
     generation_bytes: int = 0       # bytes of the generation-shard tensors returned
+    scratch_bytes: int = 0          # largest transient allocation besides the buffer (one bucket at most)
+    kept_bytes: int = 0             # hybrid: own training tensors kept aside while their storage is freed
+    released_training_bytes: int = 0  # hybrid: training storage freed while generating
+    held_bytes: int = 0             # extra bytes held during generation: buffer + other allocations - released
+    peak_extra_bytes: int = 0       # most extra bytes alive at once during the transition
+    own_copy_bytes: int = 0         # bytes of the rank's own training shard copied into the buffer
+    regroup_copy_bytes: int = 0     # other bytes copied after arriving (scratch -> place, concatenations)
+    collectives: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -66,13 +101,220 @@ def new_group_of(rank: int, member_lists: list[list[int]]):
     return mine
 
 
+def _numel(shape) -> int:
+    return int(torch.Size(shape).numel())
+
+
+# ---- the in-place (hybrid) schedule -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Part:
+    """One member's piece of a collective: rows [row, row+rows) along dim 0 of `src` (on the member) land in
+    rows of the generation tensor `dst` narrowed to [start, start+length) along `dim`."""
+    member: int
+    src: str
+    row: int
+    rows: int
+    dst: str
+    dim: int
+    start: int
+    length: int
+    dst_row: int
+
+
+@dataclass(frozen=True)
+class _Op:
+    kind: str                   # "gather" (every member puts a part) | "broadcast" (parts[0].member sends)
+    parts: tuple[_Part, ...]    # in member order for "gather"
+
+
+class _InPlaceSchedule:
+    """Generation-buffer layout and the ordered collectives of one micro-DP group (identical on its members)."""
+
+    def __init__(self, groups: GenerationGroups, member_meta: list, gen_names: set[str] | None,
+                 bucket_elems: int) -> None:
+        self.s_t, self.s_p, self.d_g = groups.tp_stride, groups.pp_stride, groups.micro_dp_size
+        self.member_meta = member_meta
+        self.gen_names = gen_names
+        by_member = [{m.name: m for m in metas} for _, metas in member_meta]
+        for i, metas in enumerate(by_member):  # TP ranks of one stage hold the same parameters
+            ref = by_member[(i // self.s_t) * self.s_t]
+            if {n: m.shape for n, m in metas.items()} != {n: m.shape for n, m in ref.items()}:
+                raise ValueError(f"micro-DP member {i} holds different parameters than its stage's first TP rank")
+        self.by_member = by_member
+        # generation tensors: merged stage by stage, each contiguous in the buffer, no padding
+        self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}
+        offset = 0
+        for pp_off in range(self.s_p):
+            for _, meta in self._stage(pp_off):
+                if gen_names is not None and meta.name not in gen_names:
+                    continue
+                shape = list(meta.shape)
+                if meta.partition_dim is not None:
+                    shape[meta.partition_dim] *= self.s_t
+                self.layout[meta.name] = (offset, tuple(shape))
+                offset += _numel(shape)
+        self.numel = offset
+        self.ops = self._schedule(bucket_elems)
+
+    def _stage(self, pp_off: int) -> list[tuple[str, _Meta]]:
+        """(stage-local key, meta) of a merged training stage, in training order."""
+        metas = self.member_meta[pp_off * self.s_t][1]
+        layers = [int(m.group(2)) for m in (_LAYER_NAME.match(x.name) for x in metas) if m]
+        first = min(layers, default=0)
+        out = []
+        for meta in metas:
+            match = _LAYER_NAME.match(meta.name)
+            key = f"{match.group(1)}{int(match.group(2)) - first}{match.group(3)}" if match else meta.name
+            out.append((key, meta))
+        return out
+
+    def _parts_of(self, member: int, meta: _Meta) -> list[tuple[int, int, int, int, int]]:
+        """(src row, rows, dim, start, length) per sub-part the member contributes to its tensor `meta`."""
+        tp_off = member % self.s_t
+        if meta.partition_dim is None:
+            return [(0, meta.shape[0], 0, 0, meta.shape[0])] if tp_off == 0 else []  # the owner only
+        if self.s_t == 1:
+            return [(0, meta.shape[0], 0, 0, meta.shape[0])]
+        dim, n = meta.partition_dim, meta.shape[meta.partition_dim]
+        if meta.regroup == GATED_HALVES:
+            if dim != 0 or n % 2:
+                raise ValueError(f"{meta.name}: gated fc1 must split dim 0 into [gate; up], got shape {meta.shape}")
+            half = n // 2
+            return [(0, half, 0, tp_off * half, half), (half, half, 0, self.s_t * half + tp_off * half, half)]
+        if meta.regroup != CONCAT:
+            raise ValueError(f"unknown regroup rule {meta.regroup!r} for {meta.name}")
+        return [(0, meta.shape[0], dim, tp_off * n, n)]
+
+    def _schedule(self, bucket_elems: int) -> list[_Op]:
+        stages = [dict(self._stage(p)) for p in range(self.s_p)]
+        keys = list(dict.fromkeys(k for stage in stages for k in stage))
+        ops: list[_Op] = []
+        for key in keys:
+            # sub-part j of every member holding `key` (skipping tensors the generation model does not need)
+            subparts: dict[int, list[_Part]] = {}
+            for member in range(self.d_g):
+                meta = stages[member // self.s_t].get(key)
+                if meta is None or meta.name not in self.layout:
+                    continue
+                for j, (row, rows, dim, start, length) in enumerate(self._parts_of(member, meta)):
+                    subparts.setdefault(j, []).append(_Part(member, meta.name, row, rows, meta.name, dim, start,
+                                                            length, 0))
+            for parts in subparts.values():
+                shapes = {self._piece_shape(p) for p in parts}
+                if len(parts) == self.d_g and len(shapes) == 1:
+                    ops += self._split("gather", parts, bucket_elems)
+                else:
+                    for part in parts:
+                        ops += self._split("broadcast", [part], bucket_elems)
+        return ops
+
+    def _piece_shape(self, part: _Part) -> tuple[int, ...]:
+        meta = self.by_member[part.member][part.src]
+        return (part.rows,) + tuple(meta.shape[1:])
+
+    def _split(self, kind: str, parts: list[_Part], bucket_elems: int) -> list[_Op]:
+        """Cut into row pieces so that one collective's output stays within the bucket."""
+        shape = self._piece_shape(parts[0])
+        row_numel = _numel(shape[1:])
+        rows = shape[0]
+        step = max(1, min(rows, bucket_elems // max(1, len(parts) * row_numel)))
+        return [_Op(kind, tuple(_Part(p.member, p.src, p.row + r, min(step, rows - r), p.dst, p.dim, p.start,
+                                      p.length, r) for p in parts)) for r in range(0, rows, step)]
+
+    def dst_view(self, views: dict[str, torch.Tensor], part: _Part) -> torch.Tensor:
+        target = views[part.dst]
+        if part.dim != 0 or part.start != 0 or part.length != target.shape[0]:
+            target = target.narrow(part.dim, part.start, part.length)
+        return target.narrow(0, part.dst_row, part.rows)
+
+    def is_own_full(self, member: int) -> set[str]:
+        """Names of the member's training tensors it places entirely into the buffer (its slots)."""
+        placed: dict[str, int] = {}
+        for op in self.ops:
+            for p in op.parts:
+                if p.member == member:
+                    placed[p.src] = placed.get(p.src, 0) + p.rows * _numel(self._piece_shape(p)[1:])
+        return {n for n, count in placed.items() if count == _numel(self.by_member[member][n].shape)}
+
+
+class _TrainingStorage:
+    """Frees and restores the storages of the rank's training tensors (FSDP-style storage resize: every view,
+    Megatron DDP's bucket buffers and optimizer shards included, stays valid). A storage is freed only if it
+    is resizable, our tensors tile it without overlap, and the bytes between them are zero (DDP padding), so
+    restoring loses nothing."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.storages: list = []
+        self.members: list[list[str]] = []
+        index: dict[int, int] = {}
+        self.storage_of: dict[str, int] = {}
+        for name, t in tensors.items():
+            st = t.untyped_storage()
+            if st.data_ptr() not in index:
+                index[st.data_ptr()] = len(self.storages)
+                self.storages.append(st)
+                self.members.append([])
+            self.members[index[st.data_ptr()]].append(name)
+            self.storage_of[name] = index[st.data_ptr()]
+        self.tensors = tensors
+        self.sizes = [st.nbytes() for st in self.storages]
+        self.freed = [False] * len(self.storages)
+
+    def _bytes(self, i: int) -> torch.Tensor:
+        device = self.tensors[self.members[i][0]].device
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(self.storages[i], 0, (self.sizes[i],))
+
+    def _restorable(self, i: int) -> bool:
+        tensors = [self.tensors[n] for n in self.members[i]]
+        if not self.storages[i].resizable() or any(not t.is_contiguous() for t in tensors):
+            return False
+        spans = sorted((t.storage_offset() * t.element_size(), (t.storage_offset() + t.numel()) * t.element_size())
+                       for t in tensors)
+        raw, cursor = self._bytes(i), 0
+        for start, end in spans + [(self.sizes[i], self.sizes[i])]:
+            if start < cursor or bool(raw[cursor:start].any()):
+                return False  # overlapping tensors, or something else lives between them: keep it
+            cursor = end
+        return True
+
+    def releasable(self) -> set[str]:
+        """Names of the tensors whose storages release() will free."""
+        return {n for i in range(len(self.storages)) if self._restorable(i) for n in self.members[i]}
+
+    def release(self, names: set[str]) -> int:
+        """Free the storages of `names` (from releasable()); returns the bytes freed."""
+        freed = 0
+        for i in sorted({self.storage_of[n] for n in names}):
+            self.storages[i].resize_(0)
+            self.freed[i] = True
+            freed += self.sizes[i]
+        return freed
+
+    def restore(self) -> None:
+        """Reallocate the freed storages, zeroed; the caller copies the tensors' contents back."""
+        for i in range(len(self.storages)):
+            if self.freed[i]:
+                self.storages[i].resize_(self.sizes[i])
+                self._bytes(i).zero_()
+                self.freed[i] = False
+
+
 class Resharder:
     """Training -> generation weight movement for one rank under one strategy (hybrid / ds_chat /
-    hybridflow_v). Construction is collective over the whole default process group."""
+    hybridflow_v). Construction is collective over the whole default process group.
 
-    def __init__(self, groups: GenerationGroups, params: list[ShardedParam], strategy: str = "hybrid") -> None:
+    bucket_bytes: most bytes one collective outputs (and the scratch bound). release_training (hybrid): free
+    the training storages while generating. generation_names (hybrid): move only these tensors (the
+    generation model's parameters; None: every parameter of the generation shard)."""
+
+    def __init__(self, groups: GenerationGroups, params: list[ShardedParam], strategy: str = "hybrid", *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, release_training: bool = True,
+                 generation_names: set[str] | None = None) -> None:
         check_strategy(strategy)
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes} (set bucket_mb > 0)")
         self.groups, self.strategy = groups, strategy
+        self.bucket_bytes, self.release_training = bucket_bytes, release_training
         self.rank = dist.get_rank()
         train = groups.train
         self.coords = train.coords(self.rank)
@@ -80,6 +322,7 @@ class Resharder:
         if len(dtypes) > 1:
             raise ValueError(f"all parameters must share one dtype for the flat gather buffer, got {dtypes}")
         self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.device = params[0].tensor.device if params else torch.device("cpu")
         self.params = params
         if strategy == "hybrid":
             member_lists = groups.micro_dp_groups()
@@ -91,15 +334,173 @@ class Resharder:
             member_lists = [list(train.ranks())]
             owner = self.coords.tp == 0
         self.members, self.group = new_group_of(self.rank, member_lists)
+        self.me = self.members.index(self.rank)
         # what this rank puts in: its TP-partitioned shards, plus replicated tensors where it is the owner
         self.contributed = [p for p in params if p.partition_dim is not None or owner]
+        shared = params if strategy == "hybrid" else self.contributed
         meta = ((self.coords.pp, self.coords.tp, self.coords.dp),
-                [_Meta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in self.contributed])
+                [_Meta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in shared])
         gathered: list = [None] * len(self.members)
         dist.all_gather_object(gathered, meta, group=self.group)
         self.member_meta = gathered  # [(pp, tp, dp), [_Meta...]] per member, in group order
         self.last_stats = ReshardStats()
         self._buffer: torch.Tensor | None = None
+        self._views: dict[str, torch.Tensor] | None = None
+        if strategy == "hybrid":
+            elems = max(1, bucket_bytes // torch.empty(0, dtype=self.dtype).element_size())
+            self.schedule = _InPlaceSchedule(groups, gathered, generation_names, elems)
+            own = {p.name: p.tensor for p in params}
+            self._own = own
+            self._placed = self.schedule.is_own_full(self.me)
+            self._storage = _TrainingStorage(own) if release_training else None
+
+    # ---- the transition --------------------------------------------------------------------------
+    def to_generation(self) -> dict[str, torch.Tensor]:
+        """Gather and regroup; returns this rank's generation-shard tensors by global name (hybrid: views of
+        the generation buffer, valid until to_training())."""
+        if self._views is not None:
+            return self._views
+        if self.strategy == "hybrid":
+            self._views = self._to_generation_in_place()
+        else:
+            self._views = self._to_generation_gather_all()
+        return self._views
+
+    def to_training(self) -> None:
+        """Free the generation buffer (views handed out become empty) and, if released, give the training
+        tensors their storage and values back (bit-identical: the own slots are exact copies)."""
+        if self._views is None:
+            return
+        if self.strategy == "hybrid" and self._storage is not None and any(self._storage.freed):
+            self._storage.restore()
+            with torch.no_grad():
+                for op in self.schedule.ops:
+                    for part in op.parts:
+                        if part.member == self.me:
+                            src = self._own[part.src].narrow(0, part.row, part.rows)
+                            src.copy_(self.schedule.dst_view(self._views, part))
+                for name, kept in self._kept.items():
+                    self._own[name].copy_(kept)
+        self._kept = {}
+        if self._buffer is not None and self._buffer.untyped_storage().resizable():
+            self._buffer.untyped_storage().resize_(0)  # really free, even if a caller still holds a view
+        self._buffer, self._views = None, None
+
+    # ---- hybrid: in place --------------------------------------------------------------------------
+    def _to_generation_in_place(self) -> dict[str, torch.Tensor]:
+        sched, group, me = self.schedule, self.group, self.me
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        self._buffer = torch.empty(sched.numel, dtype=self.dtype, device=self.device)
+        views = {name: self._buffer[off:off + _numel(shape)].view(shape) for name, (off, shape) in
+                 sched.layout.items()}
+        stats = ReshardStats(buffer_bytes=sched.numel * itemsize, generation_bytes=sched.numel * itemsize)
+        scratch_elems = 0
+        for op in sched.ops:
+            dsts = [sched.dst_view(views, p) for p in op.parts]
+            staged = sum(d.numel() for d in dsts if not d.is_contiguous())
+            scratch_elems = max(scratch_elems, staged)
+        scratch = torch.empty(scratch_elems, dtype=self.dtype, device=self.device)
+        stats.scratch_bytes = scratch_elems * itemsize
+        with torch.no_grad():
+            for op in sched.ops:
+                self._run_op(op, views, scratch, stats, itemsize)
+        del scratch
+        stats.recv_wire_bytes = stats.recv_payload_bytes  # no padding: every piece is real data
+        # the training shard now lives in its slots; what the rank holds but did not place is kept aside
+        self._kept = {}
+        released = 0
+        if self._storage is not None:
+            releasable = self._storage.releasable()
+            self._kept = {n: self._own[n].clone() for n in releasable if n not in self._placed}
+            released = self._storage.release(releasable)
+        stats.kept_bytes = sum(t.numel() * t.element_size() for t in self._kept.values())
+        stats.released_training_bytes = released
+        stats.held_bytes = stats.buffer_bytes + stats.kept_bytes - released
+        stats.peak_extra_bytes = stats.buffer_bytes + max(stats.scratch_bytes, stats.kept_bytes)
+        self.last_stats = stats
+        return views
+
+    def _run_op(self, op: _Op, views: dict[str, torch.Tensor], scratch: torch.Tensor, stats: ReshardStats,
+                itemsize: int) -> None:
+        sched, me = self.schedule, self.me
+        dsts = [sched.dst_view(views, p) for p in op.parts]
+        outs, staged, cursor = [], [], 0
+        for dst in dsts:  # a strided destination (dim-1 column block) arrives in scratch first
+            if dst.is_contiguous():
+                outs.append(dst)
+            else:
+                tmp = scratch[cursor:cursor + dst.numel()].view(dst.shape)
+                cursor += dst.numel()
+                outs.append(tmp)
+                staged.append((dst, tmp))
+        stats.collectives += 1
+        if op.kind == "gather":
+            mine = op.parts[me]
+            src = self._own[mine.src].narrow(0, mine.row, mine.rows)
+            piece = src.numel() * itemsize
+            region = self._adjacent_region(outs, scratch if staged else self._buffer)
+            if region is not None:  # one contiguous output: no list to stage through
+                _all_gather_single(region, src.reshape(-1), group=self.group)
+            else:
+                dist.all_gather(outs, src, group=self.group)
+            stats.recv_payload_bytes += (len(outs) - 1) * piece
+            stats.own_copy_bytes += piece
+        else:
+            part = op.parts[0]
+            root = self.members[part.member]
+            if part.member == me:
+                src = self._own[part.src].narrow(0, part.row, part.rows)
+                dsts[0].copy_(src)  # the root's own slot: the one copy of its training shard
+                stats.own_copy_bytes += src.numel() * itemsize
+                dist.broadcast(src, src=root, group=self.group)
+                staged = []
+            else:
+                dist.broadcast(outs[0], src=root, group=self.group)
+                stats.recv_payload_bytes += outs[0].numel() * itemsize
+        for dst, tmp in staged:
+            dst.copy_(tmp)
+            stats.regroup_copy_bytes += tmp.numel() * itemsize
+
+    @staticmethod
+    def _adjacent_region(outs: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor | None:
+        """The flat slice of `base` that the outputs tile in order, or None if they do not."""
+        size = base.element_size()
+        if any(o.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() for o in outs):
+            return None
+        for a, b in zip(outs, outs[1:]):
+            if a.data_ptr() + a.numel() * size != b.data_ptr():
+                return None
+        start = (outs[0].data_ptr() - base.data_ptr()) // size
+        return base[start:start + sum(o.numel() for o in outs)]
+
+    # ---- baselines: gather everything, then slice (out of place) --------------------------------------
+    def _to_generation_gather_all(self) -> dict[str, torch.Tensor]:
+        slot = self._slot_numel()
+        n = len(self.members)
+        own = self._own_slot(slot)
+        self._buffer = torch.empty(n * slot, dtype=self.dtype, device=own.device)
+        dist.all_gather(list(self._buffer.split(slot)), own, group=self.group)
+        pieces = self._unpack(slot)
+        out = self._assemble(pieces)
+        itemsize = own.element_size()
+        own_payload = self._numel(self.member_meta[self.me][1])
+        if self.strategy == "ds_chat":
+            each = self._zero_chunk(own_payload)
+            own_payload = max(0, min(each, own_payload - self.coords.dp * each))
+        distinct = {(pp, tp): m for (pp, tp, _), m in self.member_meta}  # ds_chat: d members per MP shard
+        total_payload = sum(self._numel(m) for m in distinct.values())
+        buf_storage = self._buffer.untyped_storage().data_ptr()
+        assembled = sum(t.numel() * itemsize for t in out.values()
+                        if t.untyped_storage().data_ptr() != buf_storage)  # concatenations, not views
+        buffer_bytes = n * slot * itemsize
+        self.last_stats = ReshardStats(
+            recv_payload_bytes=(total_payload - own_payload) * itemsize,
+            recv_wire_bytes=(n - 1) * slot * itemsize, buffer_bytes=buffer_bytes,
+            generation_bytes=sum(t.numel() * t.element_size() for t in out.values()),
+            scratch_bytes=slot * itemsize, held_bytes=buffer_bytes + assembled,
+            peak_extra_bytes=buffer_bytes + assembled + slot * itemsize, own_copy_bytes=own_payload * itemsize,
+            regroup_copy_bytes=assembled, collectives=1)
+        return out
 
     # ---- packing ---------------------------------------------------------------------------------
     @staticmethod
@@ -124,34 +525,6 @@ class Resharder:
         out = torch.zeros(slot, dtype=self.dtype, device=flat.device)
         out[:flat.numel()] = flat
         return out
-
-    # ---- the transition --------------------------------------------------------------------------
-    def to_generation(self) -> dict[str, torch.Tensor]:
-        """Gather and regroup; returns this rank's generation-shard tensors by global name."""
-        slot = self._slot_numel()
-        n = len(self.members)
-        own = self._own_slot(slot)
-        self._buffer = torch.empty(n * slot, dtype=self.dtype, device=own.device)
-        dist.all_gather(list(self._buffer.split(slot)), own, group=self.group)
-        pieces = self._unpack(slot)
-        out = self._assemble(pieces)
-        itemsize = own.element_size()
-        own_payload = self._numel(self.member_meta[self.members.index(self.rank)][1])
-        if self.strategy == "ds_chat":
-            each = self._zero_chunk(own_payload)
-            own_payload = max(0, min(each, own_payload - self.coords.dp * each))
-        distinct = {(pp, tp): m for (pp, tp, _), m in self.member_meta}  # ds_chat: d members per MP shard
-        total_payload = sum(self._numel(m) for m in distinct.values())
-        self.last_stats = ReshardStats(
-            recv_payload_bytes=(total_payload - own_payload) * itemsize,
-            recv_wire_bytes=(n - 1) * slot * itemsize, buffer_bytes=n * slot * itemsize,
-            generation_bytes=sum(t.numel() * t.element_size() for t in out.values()))
-        return out
-
-    def to_training(self) -> None:
-        """Release the gather buffer (the training parameters were never modified: nothing to copy back).
-        Callers drop the returned generation tensors too."""
-        self._buffer = None
 
     def _unpack(self, slot: int) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
         """(training pp, tp) -> name -> tensor view of the gathered buffer."""
