@@ -5,11 +5,14 @@ One object per rank, built once (collectively) next to the training model:
     engine = HybridEngine(train_model, hf_config, layout, GenerationLayout(tp=1), strategy="hybrid")
     gen_model = engine.to_generation()   # reshard: training shards -> this rank's generation shard
     ... generate with gen_model (rollout engine) ...
-    engine.to_training()                 # release what generation held; training weights untouched
+    engine.to_training()                 # release what generation held; training weights bit-identical
 
 When the generation layout equals the training layout (t_g = t, p = p_g = 1) nothing moves: the training
 model itself generates. Otherwise a generation-layout Megatron model is built on the strided generation
-groups (parallel/generation.py) and filled by the Resharder.
+groups (parallel/generation.py) and its parameters are pointed at the Resharder's generation buffer on each
+to_generation() (hybrid: in place, see reshard.py; the model object stays the same, so a rollout engine built
+on `gen_model` once keeps working). Between transitions the generation model holds no parameter memory, and
+with release_training the training storages are freed while generating (zero redundancy).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridrl.hybrid_engine.megatron_adapter import (generation_pg_collection, load_generation_weights,
+from hybridrl.hybrid_engine.megatron_adapter import (attach_generation_weights, detach_generation_weights,
+                                                     generation_parameter_shapes, generation_pg_collection,
                                                      training_params)
 from hybridrl.hybrid_engine.reshard import Resharder, ReshardStats
 from hybridrl.parallel.generation import GenerationGroups, GenerationLayout, check_generation_layout
@@ -28,12 +32,20 @@ logger = logging.getLogger(__name__)
 
 
 class HybridEngine:
-    """Training <-> generation layout for one rank's actor model (construction is collective)."""
+    """Training <-> generation layout for one rank's actor model (construction is collective).
+
+    bucket_mb: most megabytes (MiB) one reshard collective outputs; bounds the transient scratch.
+    release_training (hybrid): free the training parameter storages while generating and restore them in
+    to_training() (bit-identical); False keeps them (the rank's shard is then held twice while generating).
+    """
 
     def __init__(self, train_model: Any, hf_config: Any, layout: ParallelLayout, gen_layout: GenerationLayout,
-                 strategy: str = "hybrid") -> None:
+                 strategy: str = "hybrid", *, bucket_mb: float = 32.0, release_training: bool = True) -> None:
         from hybridrl.models.builder import build_gpt_model, unwrap
 
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb!r}: the reshard bucket must be a positive size in MiB "
+                             f"(e.g. 32)")
         check_generation_layout(layout, gen_layout, num_attention_heads=hf_config.num_attention_heads,
                                 num_query_groups=getattr(hf_config, "num_key_value_heads", None),
                                 num_layers=hf_config.num_hidden_layers)
@@ -42,18 +54,23 @@ class HybridEngine:
         self.train_model = train_model
         self.identity = self.groups.micro_dp_size == 1 and gen_layout.pp == layout.pp == 1
         self.last_stats = ReshardStats()
+        self.in_generation = False
         if self.identity:
             self.resharder = None
             self.gen_model = unwrap(train_model)
             self.tp_group = None
             return
         stage = layout.coords(self.rank).pp
-        self.resharder = Resharder(self.groups, training_params(train_model, stage), strategy)
         pgs = generation_pg_collection(self.groups)
         inner = unwrap(train_model)
         self.gen_model = build_gpt_model(hf_config, pg_collection=pgs, dtype=next(inner.parameters()).dtype,
                                          padded_vocab_size=inner.hybridrl_args.padded_vocab_size)
         self.gen_model.eval()
+        self._gen_shapes = generation_parameter_shapes(self.gen_model)
+        detach_generation_weights(self.gen_model)  # its weights will view the generation buffer
+        self.resharder = Resharder(self.groups, training_params(train_model, stage), strategy,
+                                   bucket_bytes=max(1, int(bucket_mb * (1 << 20))),
+                                   release_training=release_training, generation_names=set(self._gen_shapes))
         self.tp_group = pgs.tp
 
     # ---- where this rank generates -------------------------------------------------------------------
@@ -73,14 +90,19 @@ class HybridEngine:
 
     # ---- the transition ------------------------------------------------------------------------------
     def to_generation(self) -> Any:
-        """Fill the generation-layout model from the current training weights; returns it."""
-        if self.resharder is not None:
+        """Fill the generation-layout model from the current training weights; returns it. While generating
+        (hybrid, release_training) the training parameters have no storage: call to_training() before
+        training or reading them."""
+        if self.resharder is not None and not self.in_generation:
             tensors = self.resharder.to_generation()
-            load_generation_weights(self.gen_model, tensors)
+            attach_generation_weights(self.gen_model, tensors, self._gen_shapes)
             self.last_stats = self.resharder.last_stats
+        self.in_generation = True
         return self.gen_model
 
     def to_training(self) -> None:
-        """Drop what the transition allocated (the training parameters were never modified)."""
-        if self.resharder is not None:
+        """Free the generation buffer and restore the training parameters (bit-identical)."""
+        if self.resharder is not None and self.in_generation:
+            detach_generation_weights(self.gen_model)
             self.resharder.to_training()
+        self.in_generation = False

@@ -4,7 +4,11 @@
   partition attributes, the gated-fc1 regroup rule);
 - generation_pg_collection: the process groups a generation-layout GPTModel is built with (strided
   generation TP groups, generation PP groups; context parallel of size 1);
-- load_generation_weights: copy the reshard's tensors into a generation-layout model.
+- attach_generation_weights / detach_generation_weights: point a generation-layout model's parameters at the
+  reshard's tensors (views of the generation buffer: no copy) and drop them again, so the model holds no
+  parameter memory outside the transition;
+- load_generation_weights: copy the reshard's tensors into a generation-layout model (for models that keep
+  their own storage).
 """
 from __future__ import annotations
 
@@ -76,3 +80,39 @@ def load_generation_weights(gen_model: Any, tensors: dict[str, torch.Tensor]) ->
     if unused:
         logger.debug("generation model did not use %s", unused)
     return unused
+
+
+def generation_parameter_shapes(gen_model: Any) -> dict[str, tuple[int, ...]]:
+    """Global name -> shape of every parameter of a generation-layout model (read before detaching)."""
+    from hybridrl.models.builder import named_global_parameters
+
+    return {name: tuple(param.shape) for name, param in named_global_parameters(gen_model)}
+
+
+@torch.no_grad()
+def attach_generation_weights(gen_model: Any, tensors: dict[str, torch.Tensor],
+                              shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Make each parameter of `gen_model` view its resharded tensor (`shapes`: the model's parameter shapes,
+    from generation_parameter_shapes). Non-contiguous tensors (baselines' slices) are made contiguous.
+    Returns the names the model did not use; a model parameter without a tensor is an error."""
+    from hybridrl.models.builder import named_global_parameters
+
+    used = set()
+    for name, param in named_global_parameters(gen_model):
+        if name not in tensors:
+            raise KeyError(f"the reshard produced no tensor for generation parameter {name}")
+        src = tensors[name]
+        if tuple(src.shape) != shapes[name]:
+            raise ValueError(f"{name}: resharded shape {list(src.shape)} != generation model {list(shapes[name])}")
+        param.data = src if src.is_contiguous() else src.contiguous()
+        used.add(name)
+    return sorted(set(tensors) - used)
+
+
+@torch.no_grad()
+def detach_generation_weights(gen_model: Any) -> None:
+    """Drop every parameter's storage (shapes become [0]) so the model holds no parameter memory."""
+    from hybridrl.models.builder import named_global_parameters
+
+    for _, param in named_global_parameters(gen_model):
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -1,0 +1,176 @@
+"""HybridEngine (the actor's switch) on real Megatron GPT models over gloo, 4 ranks: the generation-layout
+model's weights view the in-place generation buffer, its logits equal the training model's and transformers',
+the training weights are freed while generating and bit-identical after the round trip (under Megatron DDP +
+distributed optimizer too, and an optimizer step in between reaches the next generation), and the memory
+held while generating is the accounting's zero-redundancy figure."""
+from __future__ import annotations
+
+import pytest
+
+SEQ, BATCH = 12, 2
+# (t, p, d) -> (t_g, p_g); p_g = 1: the rollout engines generate with single-stage models
+LAYOUTS = [((4, 1, 1), (2, 1)), ((2, 2, 1), (1, 1)), ((2, 2, 1), (2, 1)), ((1, 2, 2), (1, 1))]
+
+
+def _gather_logits(model, input_ids, tp_group, tp: int, vocab: int):
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand(input_ids.shape[0], -1)
+        local = model(input_ids, positions, attention_mask=None)
+        if tp == 1:
+            return local[..., :vocab]
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)[..., :vocab]
+
+
+def _engine_round_trip(model_dir, train_tpd, gen_tp_pp, input_ids, strategy, bucket_mb):
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.hybrid_engine.engine import HybridEngine
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    (t, p, d), (tg, pg) = train_tpd, gen_tp_pp
+    layout = ParallelLayout(tp=t, pp=p, dp=d)
+    initialize_model_parallel(layout)
+    hf_config = load_hf_config(model_dir)
+    train_model = build_gpt_model(hf_config)
+    load_hf_weights(train_model, model_dir, hf_config)
+    params = dict(train_model.named_parameters())
+    before = {n: prm.detach().clone() for n, prm in params.items()}
+    engine = HybridEngine(train_model, hf_config, layout, GenerationLayout(tp=tg, pp=pg), strategy=strategy,
+                          bucket_mb=bucket_mb)
+    results = {}
+    for round_trip in range(2):
+        gen_model = engine.to_generation()
+        storages = {prm.untyped_storage().data_ptr() for prm in gen_model.parameters()}
+        freed = sum(prm.untyped_storage().nbytes() == 0 for prm in params.values())
+        logits = _gather_logits(gen_model, input_ids, engine.tp_group, tg, hf_config.vocab_size)
+        stats = engine.last_stats
+        engine.to_training()
+        results[round_trip] = {
+            "logits": logits, "same_model": gen_model is engine.gen_model, "one_storage": len(storages) == 1,
+            "freed": freed, "n_params": len(params), "held": stats.held_bytes, "buffer": stats.buffer_bytes,
+            "scratch": stats.scratch_bytes, "recv": stats.recv_payload_bytes,
+            "gen_empty": all(prm.numel() == 0 for prm in gen_model.parameters()),
+            "bit_identical": all(torch.equal(prm, before[n]) for n, prm in params.items())}
+    results["gen_dp"] = (engine.gen_dp_rank, engine.gen_dp_size, engine.is_gen_collect_rank)
+    results["rank"] = dist.get_rank()
+    return results
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from hybridrl.models.tiny import create_tiny_model
+
+    return create_tiny_model(tmp_path_factory.mktemp("engine") / "llama", "llama", layers=4, heads=8, kv_heads=4)
+
+
+@pytest.fixture(scope="module")
+def hf_logits(tiny_llama):
+    import torch
+
+    from hybridrl.models.reference import hf_reference
+
+    input_ids = torch.randint(3, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    return input_ids, hf_reference(tiny_llama, input_ids).logits
+
+
+@pytest.mark.parametrize("train,gen", LAYOUTS, ids=[f"{a}->{b}" for a, b in LAYOUTS])
+def test_engine_in_place_round_trip(dist_pool, tiny_llama, hf_logits, train, gen):
+    from hybridrl.hybrid_engine.accounting import account
+    from hybridrl.hybrid_engine.model_shapes import model_shapes
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    input_ids, reference = hf_logits
+    bucket_mb = 1 / 1024  # 1 KiB: many pieces per tensor, the scratch stays within it
+    results = dist_pool(4).run(_engine_round_trip, str(tiny_llama), train, gen, input_ids, "hybrid", bucket_mb)
+    layout, genl = ParallelLayout(tp=train[0], pp=train[1], dp=train[2]), GenerationLayout(tp=gen[0], pp=gen[1])
+    plan = HybridEnginePlan(layout, genl, model_shapes(str(tiny_llama)), dtype_bytes=4)
+    costs = account(plan, "hybrid").ranks
+    groups = GenerationGroups(layout, genl)
+    for rank, res in enumerate(results):
+        first, second = res[0], res[1]
+        assert (first["logits"] - reference).abs().max().item() <= 1e-4, rank
+        assert (second["logits"] - first["logits"]).abs().max().item() == 0.0, rank
+        for r in (first, second):
+            assert r["same_model"] and r["one_storage"] and r["gen_empty"] and r["bit_identical"], (rank, r)
+            assert r["freed"] == r["n_params"], rank  # the generation buffer holds the only copy
+            assert r["buffer"] == costs[rank].buffer_payload and r["recv"] == costs[rank].recv_payload, rank
+            assert r["held"] == costs[rank].buffer_payload - plan.training_bytes(rank) + costs[rank].redundant
+            assert r["scratch"] <= 1024, rank
+        assert res["gen_dp"] == (groups.gen_dp_rank(rank), groups.gen_dp_size,
+                                 groups.gen_shard(rank).gen_tp == 0), rank
+
+
+def _ddp_step_between_generations(model_dir, input_ids):
+    """(2,1,2) -> (1,1) under Megatron DDP + distributed optimizer: round trip, one Adam step, round trip."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from hybridrl.hybrid_engine.engine import HybridEngine
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout(tp=2, pp=1, dp=2)
+    initialize_model_parallel(layout)
+    hf_config = load_hf_config(model_dir)
+    inner = build_gpt_model(hf_config)
+    load_hf_weights(inner, model_dir, hf_config)
+    ddp = DistributedDataParallel(inner.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                  inner)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01,
+                                                       use_distributed_optimizer=True), [ddp])
+    tp_group, vocab = parallel_state.get_tensor_model_parallel_group(), hf_config.vocab_size
+    engine = HybridEngine(ddp, hf_config, layout, GenerationLayout(tp=1))
+    params = dict(inner.named_parameters())
+    out = {}
+    for step in range(2):
+        train_logits = _gather_logits(inner, input_ids, tp_group, 2, vocab)
+        before = {n: prm.detach().clone() for n, prm in params.items()}
+        gen_logits = _gather_logits(engine.to_generation(), input_ids, None, 1, vocab)
+        freed = all(prm.untyped_storage().nbytes() == 0 for prm in params.values())
+        engine.to_training()
+        out[step] = {"diff": (gen_logits - train_logits).abs().max().item(), "freed": freed,
+                     "bit_identical": all(torch.equal(prm, before[n]) for n, prm in params.items()),
+                     "logits": gen_logits}
+        # one training step in the training layout (the restored storage is what DDP and the optimizer use)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand(input_ids.shape[0], -1)
+        ddp(input_ids, positions, attention_mask=None).float().pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+    return out
+
+
+def test_engine_under_ddp_and_distributed_optimizer(dist_pool, tiny_llama, hf_logits):
+    input_ids, _ = hf_logits
+    for rank, out in enumerate(dist_pool(4).run(_ddp_step_between_generations, str(tiny_llama), input_ids)):
+        for step in (0, 1):
+            assert out[step]["freed"] and out[step]["bit_identical"], (rank, step)
+            assert out[step]["diff"] <= 1e-5, (rank, step, out[step]["diff"])
+        assert (out[1]["logits"] - out[0]["logits"]).abs().max().item() > 1e-3  # the step reached generation
+
+
+def test_engine_refuses_bad_bucket(tiny_llama):
+    """Refused before any collective or model build, naming the option."""
+    from hybridrl.hybrid_engine.engine import HybridEngine
+    from hybridrl.models import load_hf_config
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    with pytest.raises(ValueError, match="bucket_mb"):
+        HybridEngine(None, load_hf_config(str(tiny_llama)), ParallelLayout(tp=4), GenerationLayout(tp=2), bucket_mb=0)
