@@ -12,7 +12,7 @@ import torch
 
 from hybridrl.rollout import SamplingParams
 
-pytestmark = pytest.mark.slow  # ~1 min on 2 cores: 4 ranks, 4 layouts x 2 iterations
+pytestmark = pytest.mark.slow  # 1-2 min on 2 cores (load-dependent): 4 ranks, 4 layouts x 2 iterations
 
 PROMPTS = [[1, 5, 7, 9], [3, 4], [10, 11, 12, 13, 14, 15], [7], [20, 21, 22]]
 NEW_TOKENS = 8

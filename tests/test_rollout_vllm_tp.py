@@ -150,7 +150,7 @@ def _hf_greedy(model_dir: str, prompts) -> list[list[int]]:
                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
-@pytest.mark.slow  # ~1-2 min: vLLM import in 4 processes + a t_g=1 and a t_g=2 engine each
+@pytest.mark.slow  # 2-3 min on 2 cores: vLLM import in 4 processes + a t_g=1 and a t_g=2 engine each
 def test_vllm_tp_group_is_the_strided_generation_group(results):
     for rank, r in enumerate(results):
         assert r["tp_groups"] == STRIDED
