@@ -17,6 +17,12 @@ that belong to the named set, divided by at least 4 (so an empty or very short a
 - "charset": half the prompts ask for vowels, half for digits (random policy ~0.12). The policy must
   read the prompt; the same recipe plateaus near 0.5 for a while (one set learnt first), so it needs
   more steps. It is there to exercise prompt-dependent rewards and row metadata.
+
+Safe-RLHF also needs a cost (a "harm" the policy must keep under `algorithm.cost_limit`):
+`digit_cost` is the fraction of response characters that are digits, over max(len(response), 4) like
+the reward. A uniform random policy over the 64-token vocabulary pays ~0.15; on the "vowels" task the
+reward pulls away from digits too, so the Lagrange multiplier first rises (cost above the limit) and then
+decays once the policy keeps the cost under it. Use it as `reward.cost_fn: hybridrl.data.tasks:digit_cost`.
 """
 from __future__ import annotations
 
@@ -57,6 +63,16 @@ def _charset_from_prompt(prompt: str) -> str:
             "(give the allowed characters as the row column 'target_set' instead)"
         )
     return CHARACTER_SETS[name]
+
+
+def digit_cost(prompt: str, response: str, min_length: int = 4, **_: Any) -> float:
+    """Safe-RLHF cost: fraction of response characters that are digits, over max(len(response), min_length).
+
+    Same shape as `charset_reward` (in [0, 1], short answers divided by at least `min_length`), so the
+    Lagrangian trades like with like. The prompt and row metadata are accepted and ignored.
+    """
+    digits = sum(1 for char in response if char in CHARACTER_SETS["digits"])
+    return digits / max(len(response), min_length, 1)
 
 
 def charset_oracle(prompt: str, target_set: str | None = None, min_length: int = 4, **_: Any) -> str:
