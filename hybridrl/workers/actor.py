@@ -75,6 +75,8 @@ class ActorWorker(_LogProbMixin, Worker):
         options = dict(spec.options)
         if spec.engine == "native":
             options.setdefault("max_batch_size", spec.max_batch_size)
+        else:  # vLLM's TP group must be the hybrid engine's strided generation TP group
+            options.setdefault("tp_groups", self.hybrid.groups.gen_tp_groups())
         return build_rollout_engine({"engine": spec.engine, "tp": spec.tp}, model=self.hybrid.gen_model,
                                     model_path=self.model.spec.path, vocab_size=self.model.vocab_size,
                                     max_model_len=spec.max_model_len, pad_token_id=spec.pad_token_id, **options)
@@ -163,6 +165,16 @@ class ActorWorker(_LogProbMixin, Worker):
         from hybridrl.models.checkpoint_hf import export_hf_checkpoint
 
         export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Policy weights, optimizer, scheduler and RNG states under out_dir (collective, see MegatronModel)."""
+        self.model.save_checkpoint(out_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
+        """Resume from save_checkpoint's folder, at this worker group's layout (any TP/PP)."""
+        self.model.load_checkpoint(ckpt_dir, load_optimizer)
 
     @register(Dispatch.ONE_TO_ALL)
     def describe(self) -> dict[str, Any]:
