@@ -254,6 +254,24 @@ class Actor(_Role):
         self.group.export_hf(str(out_dir))
         self.tokenizer.save_pretrained(str(out_dir))
 
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Megatron distributed checkpoint of the policy (out_dir/model, loadable at any TP/PP), its optimizer
+        and LR scheduler (out_dir/optimizer) and the workers' RNG states (out_dir/rng)."""
+        self.group.save_checkpoint(str(out_dir))
+
+    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
+        """Continue from save_checkpoint's folder, saved at this or another layout."""
+        self.group.load_checkpoint(str(ckpt_dir), load_optimizer)
+
+    @property
+    def sampling_seed(self) -> int:
+        """The per-call seed counter generate_sequences draws from when no seed is given (checkpointed)."""
+        return self._step_seed
+
+    @sampling_seed.setter
+    def sampling_seed(self, value: int) -> None:
+        self._step_seed = int(value)
+
 
 class ReferencePolicy(_Role):
     """The frozen initial policy; by default it takes the pool's layout (colocated with the actor)."""
@@ -297,6 +315,13 @@ class Critic(_Role):
         data = _as_sequences(sequences).select(*_SEQUENCE_KEYS)
         data["returns"], data["values"] = returns.float(), values.float()
         return _average(self.group.update(data, clip_range, mini_batches, epochs))
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Value model, optimizer, LR scheduler and RNG states, as Actor.save_checkpoint."""
+        self.group.save_checkpoint(str(out_dir))
+
+    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
+        self.group.load_checkpoint(str(ckpt_dir), load_optimizer)
 
 
 class RewardModel:

@@ -33,8 +33,49 @@ def _split(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
+def _check_checkpointing(cfg) -> None:
+    """trainer.save_every / keep_last / max_restarts / resume, checked before any worker starts."""
+    tr = cfg.trainer
+    if tr.save_every < 0:
+        raise ConfigError(f"trainer.save_every={tr.save_every} must be >= 0 (0: no checkpoints)")
+    if tr.keep_last < 1:
+        raise ConfigError(f"trainer.keep_last={tr.keep_last} must be >= 1 (checkpoints kept)")
+    if tr.max_restarts < 0:
+        raise ConfigError(f"trainer.max_restarts={tr.max_restarts} must be >= 0")
+    if tr.max_restarts > 0 and not tr.save_every:
+        logger.warning("trainer.max_restarts=%d without trainer.save_every: a recovered run starts over from "
+                       "step 0", tr.max_restarts)
+    if tr.resume == "auto" and tr.run_dir is None:
+        raise ConfigError("trainer.resume=auto looks for checkpoints in trainer.run_dir; set trainer.run_dir=RUN "
+                          "(the folder of the run to continue)")
+
+
+def _resume_target(cfg) -> tuple[object, object]:
+    """(run folder, checkpoint to resume from or None). Resuming from a PATH without trainer.run_dir
+    continues in that checkpoint's run folder."""
+    from pathlib import Path
+
+    from hybridrl.trainer.checkpoint import CKPT_DIR, CheckpointNotFoundError, resolve_resume
+    from hybridrl.trainer.loop import run_dir_for
+
+    tr = cfg.trainer
+    if tr.resume not in ("never", "auto") and tr.run_dir is None:
+        try:
+            checkpoint = resolve_resume(tr.resume, ".")
+        except CheckpointNotFoundError as exc:
+            raise ConfigError(str(exc)) from None
+        run_dir = checkpoint.parent.parent if checkpoint.parent.name == CKPT_DIR else Path(tr.resume)
+        return run_dir.resolve(), checkpoint
+    run_dir = run_dir_for(cfg)
+    try:
+        return run_dir, resolve_resume(tr.resume, run_dir)
+    except CheckpointNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
-    from hybridrl.trainer.loop import NonFiniteError, RLTrainer, run_dir_for
+    from hybridrl.models.config import CheckpointError
+    from hybridrl.trainer.loop import NonFiniteError, RestartsExhaustedError, RLTrainer
     from hybridrl.trainer.plan import plan_run
     from hybridrl.trainer.tracking import MetricsTracker
 
@@ -45,23 +86,31 @@ def run(args: argparse.Namespace) -> int:
             print(to_yaml(cfg), end="")
             return 0
         plan = plan_run(cfg)
+        _check_checkpointing(cfg)
         trainer = RLTrainer(cfg, plan)
+        run_dir, resume_from = _resume_target(cfg)
     except ConfigError as exc:
         print(f"hybridrl train: config error: {exc}", file=sys.stderr)
         return 2
-    run_dir = run_dir_for(cfg)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     print(f"run folder: {run_dir}", flush=True)
     roles = ", ".join(f"{r.name}@{r.pool}({r.layout.describe()})" for r in plan.roles.values())
     print(f"{cfg.algorithm.name}: {roles}; rollout {cfg.rollout.engine} tp={cfg.rollout.tp}", flush=True)
     tracker = MetricsTracker(run_dir, backends=list(cfg.trainer.trackers), project=cfg.trainer.project,
                              config=cfg, total_steps=cfg.trainer.steps)
+    if resume_from is not None:
+        print(f"resuming from {resume_from}", flush=True)
     try:
-        trainer.start()
-        trainer.fit(tracker)
+        trainer.run(tracker, run_dir, resume_from)
     except NonFiniteError as exc:
         print(f"hybridrl train: stopped: {exc}", file=sys.stderr)
         return 3
+    except RestartsExhaustedError as exc:
+        print(f"hybridrl train: stopped: {exc}", file=sys.stderr)
+        return 4
+    except CheckpointError as exc:
+        print(f"hybridrl train: checkpoint error: {exc}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
         tracker.plot()

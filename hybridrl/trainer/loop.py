@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.lagrangian import LagrangeMultiplier
 from hybridrl.algorithms.losses import kl_penalty, masked_mean
 from hybridrl.config import ConfigError
+from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
+                                         set_rng_states)
 from hybridrl.trainer.plan import RunPlan
 from hybridrl.trainer.timers import StageTimer
 
@@ -28,6 +31,14 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """A step produced NaN/inf (loss, gradients or rewards) and trainer.on_nan=stop."""
+
+
+class RestartsExhaustedError(RuntimeError):
+    """A worker died and trainer.max_restarts recoveries were already used."""
+
+
+# Roles whose weights and optimizer change during training: the ones a checkpoint holds.
+TRAINED_ROLES = ("actor", "critic", "cost_critic")
 
 
 class RLTrainer:
@@ -64,7 +75,7 @@ class RLTrainer:
 
         cfg, plan = self.cfg, self.plan
         ensure_ray(num_devices=sum(plan.pools.values()), address=cfg.resources.ray_address)
-        self.pools = {name: ResourcePool(devices=n, name=name) for name, n in plan.pools.items()}
+        self.pools = {name: ResourcePool(devices=n, nodes=cfg.resources.nodes, name=name) for name, n in plan.pools.items()}
         seed = cfg.trainer.seed
         timeout = cfg.trainer.call_timeout_s
 
@@ -214,9 +225,60 @@ class RLTrainer:
                 raise NonFiniteError(message + " (trainer.on_nan=stop; set trainer.on_nan=skip to skip such steps)")
             logger.warning("%s: update skipped (trainer.on_nan=skip)", message)
 
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def driver_state(self) -> dict[str, Any]:
+        """Everything on the driver that the next steps depend on."""
+        return {"step": self.step, "algorithm": self.cfg.algorithm.name, "loader": self.loader.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(),
+                "lagrange": self.lagrange.state_dict() if self.lagrange is not None else None,
+                "actor_sampling_seed": self.roles["actor"].sampling_seed if "actor" in self.roles else None,
+                "rng": rng_states()}
+
+    def load_driver_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.lagrange is not None and state.get("lagrange") is not None:
+            self.lagrange.load_state_dict(state["lagrange"])
+        if state.get("actor_sampling_seed") is not None and "actor" in self.roles:
+            self.roles["actor"].sampling_seed = state["actor_sampling_seed"]
+        set_rng_states(state["rng"])
+
+    def save_checkpoint(self, checkpoints: CheckpointManager) -> Path:
+        """Write RUN/ckpt/step_N atomically (see trainer/checkpoint.py); the driver state goes in last."""
+        tmp = checkpoints.begin(self.step)
+        try:
+            for role in TRAINED_ROLES:
+                if role in self.roles:
+                    self.roles[role].save_checkpoint(str(tmp / role))
+            save_driver_state(tmp, self.driver_state())
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return checkpoints.commit(tmp, self.step)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore the trained roles (at their current layouts) and the driver state from a checkpoint."""
+        from hybridrl.models.config import CheckpointError
+
+        path = Path(path)
+        state = load_driver_state(path)
+        if state.get("algorithm") != self.cfg.algorithm.name:
+            raise CheckpointError(f"{path} was saved by algorithm {state.get('algorithm')!r}, this run is "
+                                  f"{self.cfg.algorithm.name!r}; resume with the same algorithm.name")
+        missing = [role for role in TRAINED_ROLES if role in self.roles and not (path / role).is_dir()]
+        if missing:
+            raise CheckpointError(f"{path} holds no {missing} state; it was saved by a run without those roles")
+        for role in TRAINED_ROLES:
+            if role in self.roles:
+                self.roles[role].load_checkpoint(str(path / role))
+        self.load_driver_state(state)
+        logger.info("resumed from %s at step %d", path, self.step)
+
     # ---- the run -----------------------------------------------------------------------------------------
-    def fit(self, tracker: Any) -> list[dict[str, float]]:
+    def fit(self, tracker: Any, checkpoints: CheckpointManager | None = None) -> list[dict[str, float]]:
         history = []
+        save_every = self.cfg.trainer.save_every
         while self.step < self.cfg.trainer.steps:
             metrics = self.train_step()
             tracker.log(self.step, metrics)
@@ -226,7 +288,57 @@ class RLTrainer:
                 if not self.cfg.trainer.progress_bar:
                     print(line, flush=True)
             history.append(metrics)
+            if checkpoints is not None and save_every and self.step % save_every == 0:
+                if step_was_finite(metrics):
+                    self.save_checkpoint(checkpoints)
+                else:  # a poisoned step: keep the previous checkpoint as the one to come back to
+                    logger.warning("step %d was not finite: no checkpoint written for it", self.step)
         return history
+
+    def run(self, tracker: Any, run_dir: str | Path, resume_from: str | Path | None = None) -> list[dict[str, float]]:
+        """Start the roles, resume from `resume_from`, train to trainer.steps with checkpoints every
+        trainer.save_every steps, and recover from dead workers (tear down, restart, reload the latest
+        checkpoint) up to trainer.max_restarts times. The caller closes the trainer."""
+        from hybridrl.controller import WorkerDiedError
+
+        tr = self.cfg.trainer
+        checkpoints = CheckpointManager(run_dir, tr.keep_last)
+        self.start()
+        initial = self.driver_state()
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+            tracker.truncate_after(self.step)
+            checkpoints.discard_after(self.step)
+        restarts = 0
+        while True:
+            try:
+                return self.fit(tracker, checkpoints)
+            except WorkerDiedError as exc:
+                restarts += 1
+                if restarts > tr.max_restarts:
+                    raise RestartsExhaustedError(
+                        f"a worker died at step {self.step + 1} ({exc.role} rank {exc.rank}: {exc.cause}) and "
+                        f"trainer.max_restarts={tr.max_restarts} restart(s) are used up; raise trainer.max_restarts "
+                        f"or resume later with trainer.resume=auto") from exc
+                logger.warning("worker died during step %d (%s rank %s); restart %d/%d from the last checkpoint",
+                               self.step + 1, exc.role, exc.rank, restarts, tr.max_restarts)
+                self.close()
+                self.start()
+                latest = checkpoints.latest()
+                if latest is not None:
+                    self.load_checkpoint(latest)
+                else:  # nothing saved yet: the fresh roles hold the initial weights; rewind the driver too
+                    self.load_driver_state(initial)
+                tracker.truncate_after(self.step)
+
+
+def step_was_finite(metrics: dict[str, float]) -> bool:
+    """False for a skipped step or one with NaN/inf metrics or a skipped optimizer step: never checkpointed."""
+    if metrics.get("skipped"):
+        return False
+    if metrics.get("actor/update_ok", 1.0) < 1:
+        return False
+    return all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
 
 
 def run_dir_for(cfg: Any) -> Path:

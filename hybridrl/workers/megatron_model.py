@@ -253,3 +253,102 @@ class MegatronModel:
                 break
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return not bool(bad.item())
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Collective over the role's ranks. Writes out_dir/model (a Megatron distributed checkpoint of the
+        weights that loads at any TP/PP, see models/dist_ckpt.py), out_dir/optimizer (the optimizer's sharded
+        state in model space, so it reshards too, plus the LR scheduler and step count) and out_dir/rng (this
+        rank's RNG states, restored only at the same layout)."""
+        from pathlib import Path
+
+        from megatron.core import dist_checkpointing
+
+        from hybridrl.models.builder import unwrap
+        from hybridrl.models.dist_ckpt import save_dist_checkpoint
+
+        root = Path(out_dir)
+        rank = torch.distributed.get_rank()
+        save_dist_checkpoint(self.model, self.hf_config, root / "model")
+        if self.optimizer is not None:
+            if rank == 0:
+                (root / "optimizer").mkdir(parents=True, exist_ok=True)
+            torch.distributed.barrier()
+            model_state = unwrap(self.model).sharded_state_dict()
+            state = {"optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=False,
+                                                                      metadata=_OPTIM_FORMAT),
+                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                     "steps": self.steps}
+            dist_checkpointing.save(state, str(root / "optimizer"))
+        (root / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(_rng_states(), root / "rng" / f"rank_{rank:05d}.pt")
+        torch.distributed.barrier()
+
+    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
+        """Collective: the inverse of save_checkpoint, at this model's (possibly different) layout."""
+        from pathlib import Path
+
+        from megatron.core import dist_checkpointing
+
+        from hybridrl.models.builder import unwrap
+        from hybridrl.models.config import CheckpointError
+        from hybridrl.models.dist_ckpt import load_dist_checkpoint
+
+        root = Path(ckpt_dir)
+        load_dist_checkpoint(self.model, root / "model")
+        if self.optimizer is not None and load_optimizer:
+            if not (root / "optimizer").is_dir():
+                raise CheckpointError(f"{root}: no optimizer state (optimizer/) to resume training from")
+            model_state = unwrap(self.model).sharded_state_dict()
+            request = {"optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=True,
+                                                                             metadata=_OPTIM_FORMAT)}
+            try:
+                state = dist_checkpointing.load(request, str(root / "optimizer"))
+            except Exception as exc:  # dist_checkpointing raises several types for missing/mismatched shards
+                raise CheckpointError(f"{root / 'optimizer'}: loading the optimizer state failed: {exc}") from exc
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            self.steps = int(state.get("steps", self.steps))
+        rng_file = root / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
+        saved = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+        if saved is not None and saved.get("world_size") == torch.distributed.get_world_size() \
+                and saved.get("layout") == _layout_key():
+            _set_rng_states(saved)
+        else:  # another layout: a rank's RNG stream has no counterpart (sampling seeds come from the driver)
+            logger.info("%s: RNG states saved at another layout; keeping this run's seeds", root)
+
+
+# The distributed optimizer's checkpoint format that reshards over TP/PP/DP (its default in megatron-core 0.16,
+# fully_sharded_model_space, builds flattened ShardedTensors that 0.16's dist_checkpointing rejects).
+_OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _layout_key() -> tuple[int, int, int]:
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size())
+
+
+def _rng_states() -> dict[str, Any]:
+    """This rank's torch CPU (+ CUDA) generator and Megatron's model-parallel RNG tracker states."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "world_size": torch.distributed.get_world_size(),
+                              "layout": _layout_key()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    tracker = get_cuda_rng_tracker()
+    states["tracker"] = {name: state.clone() for name, state in tracker.get_states().items()}
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    if states.get("tracker"):
+        get_cuda_rng_tracker().set_states(dict(states["tracker"]))

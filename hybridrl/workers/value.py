@@ -59,6 +59,15 @@ class CriticWorker(Worker):
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
 
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Value-model weights, optimizer, scheduler and RNG states under out_dir (collective)."""
+        self.model.save_checkpoint(out_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
+        self.model.load_checkpoint(ckpt_dir, load_optimizer)
+
 class RewardModelWorker(Worker):
     """A frozen scalar model scoring whole sequences (reward model, or Safe-RLHF's cost model)."""
 
