@@ -3,9 +3,16 @@
 For several (t, p, d) -> (t_g, p_g) layouts and synthetic Llama-shaped models of a few sizes (fp32, random
 shards shaped by hybrid_engine/model_shapes.py), every strategy (hybrid / ds_chat / hybridflow_v) runs in the
 same processes, interleaved repeat by repeat so machine load hits them alike. Per repeat: barrier, then each
-rank times its own `Resharder.to_generation()`; the repeat's time is the max over ranks; the reported time
-is the median over repeats (after one warm-up). Bytes received per rank come from `last_stats` and are
-printed next to the plan's accounting (hybrid_engine/accounting.py), with a match flag.
+rank times its own `Resharder.to_generation()` and, after another barrier, `to_training()` (hybrid: restores
+the released training storage; baselines: drop the buffer); a repeat's time is the max over ranks; the
+reported times are medians over repeats (after one warm-up). Bytes received per rank come from `last_stats`
+and are printed next to the plan's accounting (hybrid_engine/accounting.py), with a match flag.
+
+Memory, measured from the tensors the reshard allocates and frees (`last_stats`): held_MB is the extra held
+per rank while generating (hybrid in place: generation buffer + kept tensors - released training storage;
+baselines: gathered model + assembled tensors, training kept); table2_held_MB is what HybridFlow Table 2 says
+(hybrid: M/(t_g p_g) - M/(t p), with the replicated norms counted per TP rank, plus the norms a rank holds
+but does not own; baselines: M); peak_MB is the most extra alive during the transition.
 
     python benchmarks/transition_cpu.py [--repeats 5] [--sizes 8m,32m] [--out benchmarks/results]
 
@@ -79,7 +86,7 @@ def _local_params(plan, rank: int, seed: int):
     return params
 
 
-def _worker(rank: int, port: int, cases: list, repeats: int, queue) -> None:
+def _worker(rank: int, port: int, cases: list, repeats: int, bucket_bytes: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
@@ -97,8 +104,9 @@ def _worker(rank: int, port: int, cases: list, repeats: int, queue) -> None:
         plan = HybridEnginePlan(train, genl, shapes, dtype_bytes=4)
         params = _local_params(plan, rank, seed=1000)
         groups = GenerationGroups(train, genl)
-        resharders = {s: Resharder(groups, params, s) for s in STRATEGIES}
+        resharders = {s: Resharder(groups, params, s, bucket_bytes=bucket_bytes) for s in STRATEGIES}
         times: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+        back: dict[str, list[float]] = {s: [] for s in STRATEGIES}
         stats = {}
         for rep in range(repeats + 1):  # repeat 0 is the warm-up
             for s in STRATEGIES:  # interleaved: load drift hits every strategy alike
@@ -108,12 +116,18 @@ def _worker(rank: int, port: int, cases: list, repeats: int, queue) -> None:
                 elapsed = time.perf_counter() - start
                 stats[s] = resharders[s].last_stats
                 del out
+                dist.barrier()
+                start = time.perf_counter()
                 resharders[s].to_training()
+                elapsed_back = time.perf_counter() - start
                 if rep:
                     times[s].append(elapsed)
-        mine = {s: {"times": times[s], "recv_payload": stats[s].recv_payload_bytes,
+                    back[s].append(elapsed_back)
+        mine = {s: {"times": times[s], "back": back[s], "recv_payload": stats[s].recv_payload_bytes,
                     "recv_wire": stats[s].recv_wire_bytes, "buffer": stats[s].buffer_bytes,
-                    "generation": stats[s].generation_bytes} for s in STRATEGIES}
+                    "generation": stats[s].generation_bytes, "held": stats[s].held_bytes,
+                    "peak": stats[s].peak_extra_bytes, "scratch": stats[s].scratch_bytes,
+                    "collectives": stats[s].collectives} for s in STRATEGIES}
         gathered: list = [None] * WORLD
         dist.all_gather_object(gathered, mine)
         if rank == 0:
@@ -125,7 +139,7 @@ def _worker(rank: int, port: int, cases: list, repeats: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def run_cases(cases: list, repeats: int) -> list:
+def run_cases(cases: list, repeats: int, bucket_bytes: int) -> list:
     import torch.multiprocessing as mp
 
     from hybridrl.parallel.distributed import free_port
@@ -133,7 +147,7 @@ def run_cases(cases: list, repeats: int) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, cases, repeats, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, cases, repeats, bucket_bytes, queue)) for r in range(WORLD)]
     for proc in procs:
         proc.start()
     results = queue.get(timeout=1800)
@@ -158,6 +172,13 @@ def make_rows(cases: list, results: list) -> list[dict]:
             costs = account(plan, s).ranks
             # per repeat: slowest rank; then median over repeats
             per_repeat = [max(r[s]["times"][i] for r in per_rank) for i in range(len(per_rank[0][s]["times"]))]
+            per_repeat_back = [max(r[s]["back"][i] for r in per_rank) for i in range(len(per_rank[0][s]["back"]))]
+            held = [r[s]["held"] for r in per_rank]
+            if s == "hybrid":  # accounting per rank: generation shard - training shard + norms held, not owned
+                plan_held = [c.buffer_payload - plan.training_bytes(c.rank) + c.redundant for c in costs]
+            else:  # the gathered model (Table 2: M) + padding; assembled tensors come on top
+                plan_held = [c.buffer_payload + c.buffer_padding for c in costs]
+            table2 = table2_held(plan, s)
             recv = [r[s]["recv_payload"] for r in per_rank]
             wire = [r[s]["recv_wire"] for r in per_rank]
             plan_recv = [c.recv_payload for c in costs]
@@ -172,12 +193,39 @@ def make_rows(cases: list, results: list) -> list[dict]:
                    "recv_bytes_per_rank": recv, "plan_recv_bytes_per_rank": plan_recv,
                    "wire_bytes_per_rank": wire, "plan_wire_bytes_per_rank": plan_wire,
                    "buffer_MB_max": round(max(r[s]["buffer"] for r in per_rank) / 1e6, 3),
-                   "bytes_match_plan": recv == plan_recv and wire == plan_wire}
+                   "back_ms": round(1e3 * statistics.median(per_repeat_back), 2),
+                   "held_MB_mean": round(sum(held) / len(held) / 1e6, 3), "held_MB_max": round(max(held) / 1e6, 3),
+                   "table2_held_MB": round(float(table2) / 1e6, 3),
+                   "peak_MB_max": round(max(r[s]["peak"] for r in per_rank) / 1e6, 3),
+                   "scratch_MB_max": round(max(r[s]["scratch"] for r in per_rank) / 1e6, 3),
+                   "collectives": per_rank[0][s]["collectives"],
+                   "held_bytes_per_rank": held, "plan_held_bytes_per_rank": plan_held,
+                   "held_match_plan": held == plan_held if s == "hybrid" else all(
+                       h >= q for h, q in zip(held, plan_held)),
+                   "bytes_match_plan": recv == plan_recv and (wire == plan_wire if s != "hybrid" else wire == recv)}
             base[s] = row
             rows.append(row)
         for s in STRATEGIES:
             base[s]["ratio_vs_hybrid"] = round(base[s]["time_ms"] / base["hybrid"]["time_ms"], 2)
     return rows
+
+
+def table2_held(plan, strategy: str):
+    """Table 2's extra memory while generating, mean per rank: hybrid M_g/(t_g p_g) - M_t/(t p) (+ the norms a
+    rank holds but does not own), where M_g / M_t count replicated norms once per generation / training TP
+    rank (both are M when every tensor is partitioned); baselines M."""
+    from fractions import Fraction
+
+    from hybridrl.hybrid_engine.accounting import account
+
+    if strategy != "hybrid":
+        return Fraction(plan.model_bytes)
+    (t, p), (tg, pg) = (plan.train.tp, plan.train.pp), (plan.gen.tp, plan.gen.pp)
+    part = sum(sum(row) for row in plan.table.partitioned) * plan.dtype_bytes
+    repl = sum(plan.table.replicated) * plan.dtype_bytes
+    ranks = account(plan, "hybrid").ranks
+    return (Fraction(part + tg * repl, tg * pg) - Fraction(part + t * repl, t * p)
+            + Fraction(sum(r.redundant for r in ranks), len(ranks)))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -187,18 +235,20 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys((r["model"], r["layout"]) for r in rows))
-    by = {(r["model"], r["layout"], r["strategy"]): r["time_ms"] for r in rows}
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases)), 4.5))
+    by = {(r["model"], r["layout"], r["strategy"]): r for r in rows}
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cases)), 8), sharex=True)
     width = 0.27
-    for i, s in enumerate(STRATEGIES):
-        xs = [k + (i - 1) * width for k in range(len(cases))]
-        ax.bar(xs, [by[(m, lay, s)] for m, lay in cases], width, label=s)
-    ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([f"{m}\n{lay}" for m, lay in cases], fontsize=7)
-    ax.set_ylabel("to_generation time, ms (median, max over 4 ranks)")
-    ax.set_yscale("log")
-    ax.set_title("Training -> generation transition, CPU gloo, 4 processes, fp32")
-    ax.legend()
+    for ax, key, label in ((axes[0], "time_ms", "to_generation, ms (median of max over ranks)"),
+                           (axes[1], "held_MB_mean", "extra MB held per rank while generating")):
+        for i, s in enumerate(STRATEGIES):
+            xs = [k + (i - 1) * width for k in range(len(cases))]
+            ax.bar(xs, [by[(m, lay, s)][key] for m, lay in cases], width, label=s)
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.legend()
+    axes[1].set_xticks(range(len(cases)))
+    axes[1].set_xticklabels([f"{m}\n{lay}" for m, lay in cases], fontsize=7)
+    axes[0].set_title("Training -> generation transition, CPU gloo, 4 processes, fp32")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -209,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up (>= 1)")
     parser.add_argument("--sizes", default="8m,32m",
                         help=f"comma list from {list(SIZES)} (default 8m,32m: ~3 min on a loaded 2-core box)")
+    parser.add_argument("--bucket-mb", type=float, default=32.0,
+                        help="hybrid reshard bucket: most MiB one collective outputs (> 0)")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
@@ -217,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if not args.bucket_mb > 0:
+        parser.error("--bucket-mb must be > 0 (e.g. 32)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with tempfile.TemporaryDirectory() as tmp:
         shapes = {s: build_shapes(s, Path(tmp)) for s in sizes}
@@ -228,22 +282,25 @@ def main(argv: list[str] | None = None) -> int:
                                         "median over repeats; strategies interleaved",
                  "models": {s: {**SIZES[s], "params": shapes[s].numel} for s in sizes}})
     start = time.perf_counter()
-    results = run_cases(cases, args.repeats)
+    meta["bucket_mb"] = args.bucket_mb
+    results = run_cases(cases, args.repeats, int(args.bucket_mb * (1 << 20)))
     meta["wall_s"] = round(time.perf_counter() - start, 1)
     if hasattr(os, "getloadavg"):
         meta["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     rows = make_rows(cases, results)
-    columns = ["model", "params_m", "layout", "strategy", "time_ms", "ratio_vs_hybrid", "recv_MB_max",
-               "recv_MB_mean", "plan_recv_MB_max", "wire_MB_max", "buffer_MB_max", "bytes_match_plan"]
+    columns = ["model", "params_m", "layout", "strategy", "time_ms", "ratio_vs_hybrid", "back_ms", "recv_MB_max",
+               "plan_recv_MB_max", "wire_MB_max", "held_MB_mean", "table2_held_MB", "held_MB_max", "peak_MB_max",
+               "scratch_MB_max", "collectives", "bytes_match_plan", "held_match_plan"]
     json_path, md_path = write_results("transition_cpu", rows, meta, columns, out_dir=args.out)
     png = json_path.with_suffix(".png")
     plot(rows, png)
     for r in rows:
         print(f"{r['model']:>4} {r['layout']:<16} {r['strategy']:<13} {r['time_ms']:9.2f} ms "
               f"x{r['ratio_vs_hybrid']:<5} recv max {r['recv_MB_max']:8.3f} MB (plan {r['plan_recv_MB_max']:8.3f})"
-              f" match={r['bytes_match_plan']}")
+              f" match={r['bytes_match_plan']} held mean {r['held_MB_mean']:8.3f} MB (Table 2 "
+              f"{r['table2_held_MB']:8.3f}) match={r['held_match_plan']}")
     print(f"wrote {json_path}, {md_path}, {png}")
-    return 0 if all(r["bytes_match_plan"] for r in rows) else 1
+    return 0 if all(r["bytes_match_plan"] and r["held_match_plan"] for r in rows) else 1
 
 
 if __name__ == "__main__":
