@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time", help="time limit, Slurm format (e.g. 4:00:00 or 2-00:00:00)")
     parser.add_argument("--job-name", default="hybridrl")
     parser.add_argument("--run-dir", help="shared directory for the job's logs, metrics and checkpoints "
-                        "(default: runs/<job-name>-<timestamp>)")
+                        "(default: the trainer.run_dir override, else runs/<job-name>-<timestamp>)")
     parser.add_argument("--cpus-per-task", type=int, help="CPUs per node for the job (default: Slurm's)")
     parser.add_argument("--mem", help="memory per node, Slurm format (e.g. 500G)")
     parser.add_argument("--exclusive", action="store_true", help="whole nodes only")
@@ -54,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--command", help="run this shell command instead of `hybridrl train CONFIG ...` "
                         "(e.g. the cluster check: python -m hybridrl.launch.cluster_check)")
     parser.add_argument("--no-requeue", dest="requeue", action="store_false",
-                        help="do not requeue on preemption or near the time limit (default: requeue, and "
-                        "the trainer gets trainer.resume=auto so it resumes from the latest checkpoint)")
+                        help="do not requeue on preemption or near the time limit (default: requeue; a "
+                        "requeued trainer gets trainer.resume=auto and resumes from the latest checkpoint)")
     parser.add_argument("--signal-lead", type=int, default=180, metavar="SECONDS",
                         help="with --time: this long before the limit, stop, checkpoint and requeue")
     parser.add_argument("--ip-mode", default="auto",
@@ -94,8 +95,86 @@ def _fail(message: str) -> int:
     return 2
 
 
-def validate(args: argparse.Namespace) -> list[str]:
-    """Checks that need no cluster; returns the command to run."""
+@dataclass
+class JobCommand:
+    """What the job runs on its first node once the Ray cluster is up."""
+
+    argv: list[str]
+    run_dir: Path
+    trainer: bool = False  # `hybridrl train`: the job appends resources.ray_address=<its Ray head>
+    resume_on_requeue: bool = False  # after a requeue (SLURM_RESTART_COUNT > 0) add trainer.resume=auto
+
+
+# set by the job itself from the request and its Ray cluster; a user value would contradict them
+JOB_OWNED_OVERRIDES = {"resources.ray_address": "the job's own Ray cluster",
+                       "resources.nodes": "--nodes"}
+
+
+def _override_value(overrides: list[str], key: str) -> str | None:
+    """The last `key=value` among the overrides (OmegaConf applies them in order), else None."""
+    values = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key]
+    return values[-1] if values else None
+
+
+def _default_run_dir(args: argparse.Namespace) -> Path:
+    return Path(args.run_dir or f"runs/{args.job_name}-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+
+
+def _train_command(args: argparse.Namespace) -> JobCommand:
+    """`hybridrl train CONFIG overrides...` for the job, with the config checked against the request:
+    every resource pool spans all --nodes with the same number of devices on each (one Ray "GPU" per
+    device), and the pools fit into --nodes x --gpus-per-node."""
+    from hybridrl.config import ConfigError, load_config
+
+    if not Path(args.config).is_file():
+        raise SlurmRequestError(f"config {args.config} does not exist")
+    overrides = list(args.overrides)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise SlurmRequestError(f"overrides must be key=value, got {bad}")
+    for key, owner in JOB_OWNED_OVERRIDES.items():
+        if _override_value(overrides, key) is not None:
+            raise SlurmRequestError(f"override {key}=... is set by the job from {owner}; drop it")
+    if args.gpus_per_node < 1:
+        raise SlurmRequestError("--gpus-per-node 0: `hybridrl train` places one worker per device (a Ray GPU); "
+                                "ask for at least 1 GPU per node")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        raise SlurmRequestError(f"config {args.config}: {exc}") from None
+    pools = {"resources.devices": int(cfg.resources.devices),
+             **{f"resources.pools.{name}": int(n) for name, n in cfg.resources.pools.items()}}
+    for option, devices in pools.items():
+        if devices % args.nodes:
+            raise SlurmRequestError(f"{option}={devices} does not split over --nodes {args.nodes} (each pool "
+                                    f"spans every node with the same number of devices); use a multiple of "
+                                    f"{args.nodes} or change --nodes")
+    total, offered = sum(pools.values()), args.nodes * args.gpus_per_node
+    if total > offered:
+        listing = ", ".join(f"{k}={v}" for k, v in pools.items())
+        raise SlurmRequestError(f"the config's pools need {total} devices ({listing}) "
+                                f"but --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {offered}; "
+                                "ask for more or shrink the pools")
+
+    # one run dir for the job's logs and the trainer's metrics/checkpoints, so a requeued job finds them
+    trainer_run_dir = _override_value(overrides, "trainer.run_dir")
+    if trainer_run_dir is not None:
+        trainer_run_dir = str(Path(trainer_run_dir).resolve())  # the job may start elsewhere
+        overrides = [o for o in overrides if o.split("=", 1)[0] != "trainer.run_dir"]
+    run_dir = _default_run_dir(args) if args.run_dir or trainer_run_dir is None else Path(trainer_run_dir)
+    overrides.append(f"trainer.run_dir={trainer_run_dir or run_dir}")
+    overrides.append(f"resources.nodes={args.nodes}")
+    if _override_value(overrides, "trainer.progress_bar") is None:
+        overrides.append("trainer.progress_bar=false")  # a line per step reads better in a log file
+    # a requeued run continues from its latest checkpoint, unless the submission chose trainer.resume
+    resume_on_requeue = args.requeue and cfg.trainer.resume == "never" \
+        and _override_value(args.overrides, "trainer.resume") is None
+    argv = [args.python, "-m", "hybridrl.cli", "train", str(Path(args.config).resolve()), *overrides]
+    return JobCommand(argv, run_dir, trainer=True, resume_on_requeue=resume_on_requeue)
+
+
+def validate(args: argparse.Namespace) -> JobCommand:
+    """Checks that need no cluster; returns the command to run and the run dir."""
     if args.nodes < 1:
         raise SlurmRequestError(f"--nodes must be >= 1, got {args.nodes}")
     if args.gpus_per_node < 0:
@@ -123,18 +202,10 @@ def validate(args: argparse.Namespace) -> list[str]:
         command = shlex.split(args.command)
         if not command:
             raise SlurmRequestError("--command is empty")
-        return command
+        return JobCommand(command, _default_run_dir(args))
     if not args.config:
         raise SlurmRequestError("give a training CONFIG (YAML) or --command")
-    if not Path(args.config).is_file():
-        raise SlurmRequestError(f"config {args.config} does not exist")
-    bad = [o for o in args.overrides if "=" not in o]
-    if bad:
-        raise SlurmRequestError(f"overrides must be key=value, got {bad}")
-    overrides = list(args.overrides)
-    if args.requeue and not any(o.startswith("trainer.resume=") for o in overrides):
-        overrides.append("trainer.resume=auto")  # a requeued run continues from its latest checkpoint
-    return [args.python, "-m", "hybridrl.cli", "train", str(Path(args.config).resolve()), *overrides]
+    return _train_command(args)
 
 
 def sbatch_directives(args: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -170,13 +241,13 @@ def render(template: str, values: dict[str, str]) -> str:
     return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
-def render_script(args: argparse.Namespace, command: list[str], run_dir: Path) -> str:
+def render_script(args: argparse.Namespace, job: JobCommand) -> str:
     template = Path(args.template).read_text()
     env_exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, _, v in (e.partition("=") for e in args.env))
     values = {
-        "sbatch_directives": "\n".join(sbatch_directives(args, run_dir)),
+        "sbatch_directives": "\n".join(sbatch_directives(args, job.run_dir)),
         "python": shlex.quote(args.python),
-        "run_dir": shlex.quote(str(run_dir)),
+        "run_dir": shlex.quote(str(job.run_dir)),
         "repo_root": shlex.quote(str(REPO_ROOT)),
         "ip_mode": shlex.quote(args.ip_mode),
         "gpus_per_node": str(args.gpus_per_node),
@@ -185,7 +256,9 @@ def render_script(args: argparse.Namespace, command: list[str], run_dir: Path) -
         "object_store_bytes": "" if args.ray_object_store_mb is None else str(args.ray_object_store_mb << 20),
         "ray_tmp_root": shlex.quote(args.ray_tmp_root),
         "requeue": "1" if args.requeue else "0",
-        "command": " ".join(shlex.quote(c) for c in command),
+        "command": " ".join(shlex.quote(c) for c in job.argv),
+        "trainer": "1" if job.trainer else "0",
+        "resume_on_requeue": "1" if job.resume_on_requeue else "0",
         "env_exports": env_exports,
     }
     return render(template, values)
@@ -217,9 +290,9 @@ def wait_for_job(job_id: str, run_dir: Path, timeout_s: float | None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        command = validate(args)
-        run_dir = Path(args.run_dir or f"runs/{args.job_name}-{datetime.now():%Y%m%d-%H%M%S}").resolve()
-        script = render_script(args, command, run_dir)
+        job = validate(args)
+        run_dir = job.run_dir
+        script = render_script(args, job)
         if args.dry_run:
             print(script, end="")
             return 0

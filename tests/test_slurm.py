@@ -1,11 +1,12 @@
-"""`hybridrl submit` against a real Slurm: Debian's munge + slurmctld + two slurmd "nodes" on loopback
-(scripts/slurm_local.sh, started here when it is not running yet), Ray head + worker per node,
-a gloo all-reduce across both nodes, clean teardown, and requests that must fail fast."""
+"""`hybridrl submit` against a real Slurm: Debian's munge + slurmctld + two slurmd "nodes" on loopback with one
+fake GPU each (scripts/slurm_local.sh, started here when it is not running yet), Ray head + worker per node,
+the tiny ReMax config trained across both nodes, clean teardown, and requests that must fail fast."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -99,32 +100,48 @@ def free_port_block(size: int) -> int:
 
 
 @pytest.mark.slow
-def test_cluster_check_across_two_slurm_nodes(slurm, tmp_path):
+def test_remax_tiny_trains_across_two_slurm_nodes(slurm, tmp_path):
+    """The issue's run: `hybridrl submit configs/remax_tiny.yaml --nodes 2 --gpus-per-node 1`. Each slurmd
+    "node" offers one fake GPU (Slurm GRES), so the actor's 2-device pool (TP=2) has one worker on each
+    node and its gloo group crosses them; 2 ReMax steps, metrics written, nothing left behind."""
     run_dir = tmp_path / "run"
-    command = f"{sys.executable} -m hybridrl.launch.cluster_check --nodes 2 --steps 3"
     try:
-        proc = submit("--command", command, "--nodes", "2", "--gpus-per-node", "0", "--ip-mode", "loopback",
-                      "--time", "5", "--job-name", "hr-test-check", "--run-dir", str(run_dir),
-                      "--ray-object-store-mb", "100", "--ray-join-timeout", "300", "--wait", "--wait-timeout", "600")
+        proc = submit("configs/remax_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1", "--ip-mode", "loopback",
+                      "--time", "30", "--job-name", "hr-test-train", "--ray-object-store-mb", "100",
+                      "--ray-join-timeout", "300", "--wait", "--wait-timeout", "1300",
+                      "trainer.steps=2", f"trainer.run_dir={run_dir}", timeout=1400)
     finally:
         cancel(run_dir)
-    job_id = (run_dir / "job_id").read_text().strip()
+    job_id = (run_dir / "job_id").read_text().strip()  # trainer.run_dir is the job's run dir too
     job_log = (run_dir / f"slurm-{job_id}.out").read_text()
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_log}"
     assert f"job {job_id} COMPLETED" in proc.stdout
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    cluster = next(r for r in records if r["event"] == "cluster")
-    assert cluster["distinct_nodes"] == 2 and cluster["backend"] == "gloo"
-    # one actor on each Slurm node, each on its own loopback address (no routable address used)
-    assert sorted(r["node_name"] for r in cluster["ranks"]) == ["n1", "n2"]
-    assert sorted(r["ip"] for r in cluster["ranks"]) == ["127.0.0.2", "127.0.0.3"]
-    assert cluster["master"].startswith("127.0.0.")
-    steps = [r for r in records if r["event"] == "step"]
-    assert [s["step"] for s in steps] == [0, 1, 2]
-    for s in steps:  # rank r contributes (r+1)*(step+1): the sum over 2 ranks is 3*(step+1)
-        assert s["allreduce_value"] == 3.0 * (s["step"] + 1) and s["ok"]
-    assert records[-1] == {**records[-1], "event": "done", "ok": True}
+    # the Ray cluster spanned both Slurm nodes, each with its GPU, each on its own loopback address
+    joined = next(line for line in job_log.splitlines() if "Ray cluster at 127.0.0.2:" in line and "complete" in line)
+    for node, ip in (("n1", r"127\.0\.0\.2"), ("n2", r"127\.0\.0\.3")):
+        assert re.search(rf"{node}@{ip} cpus=\S+ gpus=1\b", joined), joined
+    head = re.search(r"Ray head n1 at (127\.0\.0\.2:\d+)", job_log).group(1)
+    running = next(line for line in job_log.splitlines() if "] running: " in line)
+    assert f"resources.ray_address={head}" in running and "resources.nodes=2" in running, running
+    assert "trainer.resume=auto" not in running  # first run, not a requeue
+
+    # the trainer joined that cluster (not a local one) and trained 2 steps
+    config = (run_dir / "config.yaml").read_text()
+    assert f"ray_address: {head}" in config and "nodes: 2" in config, config
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert 0.0 <= s["reward_mean"] <= 1.0 and s["actor/update_ok"] == 1.0, s
+    assert "done: 2 steps" in job_log
+
+    # the actor's workers (one host process per device) ran one on each node
+    actors = json.loads((run_dir / "ray_actors.json").read_text())
+    hosts = [a for a in actors if a["actor_class"] == "WorkerHost"]
+    assert sorted(a["node_name"] for a in hosts) == ["n1", "n2"], actors
+    assert sorted(a["node_ip"] for a in hosts) == ["127.0.0.2", "127.0.0.3"], actors
+    assert len({a["pid"] for a in hosts}) == 2 and all(a["state"] == "DEAD" for a in hosts), hosts
+    assert "actors WorkerHost: n1 x1, n2 x1" in job_log
 
     assert "command exited with 0" in job_log and "Ray stopped" in job_log
     for node in ("n1", "n2"):
@@ -144,7 +161,7 @@ def test_impossible_requests_fail_before_submission(slurm, tmp_path, capsys):
     cases = {
         ("--nodes", "2", "--gpus-per-node", "0", "--partition", "nosuch"):
             "--partition nosuch: no such partition (available: debug (default): 2 nodes)",
-        ("--nodes", "2", "--gpus-per-node", "1"): "--gpus-per-node 1: only 0 node(s) of partition debug have 1 GPU",
+        ("--nodes", "2", "--gpus-per-node", "2"): "--gpus-per-node 2: only 0 node(s) of partition debug have 2 GPU",
         ("--nodes", "2", "--gpus-per-node", "0", "--time", "5 hours"): "--time '5 hours' is not a Slurm time",
         ("--nodes", "0", "--gpus-per-node", "0"): "--nodes must be >= 1",
     }
@@ -191,24 +208,26 @@ def test_ray_node_that_cannot_start_fails_the_job_fast(slurm, tmp_path, blocked_
 
 
 def test_dry_run_renders_the_train_job(tmp_path, capsys):
-    """No Slurm needed: the rendered script carries the request, the trainer command with
-    trainer.resume=auto (requeue), and no unfilled placeholder."""
+    """No Slurm needed: the rendered script carries the request, the trainer command (its run dir, the
+    node count), the requeue-resume switch, and no unfilled placeholder."""
     config = tmp_path / "remax.yaml"
-    config.write_text("algorithm: remax\n")
+    config.write_text("algorithm: {name: remax}\nresources: {devices: 32}\n")
+    run_dir = tmp_path / "run dir"
     rc, script, err = submit_in_process(
-        capsys, str(config), "actor.lr=1e-6", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
-        "--time", "1-00:00:00", "--run-dir", str(tmp_path / "run dir"), "--env", "NCCL_DEBUG=WARN",
-        "--sbatch-arg=--account=rl", "--dry-run", "data.max_prompt_len=512")  # overrides also after options
+        capsys, str(config), "actor.optim.lr=1e-6", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
+        "--time", "1-00:00:00", "--run-dir", str(run_dir), "--env", "NCCL_DEBUG=WARN",
+        "--sbatch-arg=--account=rl", "--dry-run", "data.max_prompt_length=512")  # overrides also after options
     assert rc == 0, err
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --time=1-00:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@180",
                  "#SBATCH --account=rl", "#SBATCH --ntasks-per-node=1", "export NCCL_DEBUG=WARN",
-                 f"RUN_DIR='{tmp_path / 'run dir'}'", "GPUS_PER_NODE=8", "IP_MODE=auto"):
+                 f"RUN_DIR='{run_dir}'", "GPUS_PER_NODE=8", "IP_MODE=auto", "TRAINER=1", "RESUME_ON_REQUEUE=1"):
         assert line in script, line
-    assert (f"COMMAND=({sys.executable} -m hybridrl.cli train {config} actor.lr=1e-6 data.max_prompt_len=512 "
-            "trainer.resume=auto)") in script
+    # the trainer writes into the job's run dir (a requeued job finds its checkpoints there)
+    assert (f"COMMAND=({sys.executable} -m hybridrl.cli train {config} actor.optim.lr=1e-6 data.max_prompt_length=512 "
+            f"'trainer.run_dir={run_dir}' resources.nodes=4 trainer.progress_bar=false)") in script
     assert "{{" not in script and "}}" not in script
-    assert not (tmp_path / "run dir").exists()
+    assert not run_dir.exists()
     # the rendered script is valid bash
     check = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
@@ -216,8 +235,65 @@ def test_dry_run_renders_the_train_job(tmp_path, capsys):
     rc, script, err = submit_in_process(capsys, "--command", "echo 'a b'", "--nodes", "1", "--gpus-per-node", "0",
                                         "--no-requeue", "--dry-run")
     assert rc == 0, err
-    assert "COMMAND=(echo 'a b')" in script and "#SBATCH --no-requeue" in script
-    assert "trainer.resume=auto" not in script and "#SBATCH --gpus-per-node" not in script
+    assert "COMMAND=(echo 'a b')" in script and "#SBATCH --no-requeue" in script and "TRAINER=0" in script
+    assert "RESUME_ON_REQUEUE=0" in script and "#SBATCH --gpus-per-node" not in script
+
+    # without --run-dir the trainer's run dir is the job's; resume chosen by the user: no auto-resume
+    rc, script, err = submit_in_process(capsys, "configs/remax_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1",
+                                        "--dry-run", f"trainer.run_dir={tmp_path}/tr", "trainer.resume=never")
+    assert rc == 0, err
+    assert f"#SBATCH --output={tmp_path}/tr/slurm-%j.out" in script and f"RUN_DIR={tmp_path}/tr" in script
+    assert "RESUME_ON_REQUEUE=0" in script and f"trainer.run_dir={tmp_path}/tr resources.nodes=2" in script
+
+
+def _trainer_arguments_block(script: str) -> str:
+    return script[script.index("# >>> trainer arguments"):script.index("# <<< trainer arguments")]
+
+
+@pytest.mark.parametrize("restart_count, resume_on_requeue, expected", [
+    ("0", "1", ["resources.ray_address=10.0.0.1:20000"]),
+    ("", "1", ["resources.ray_address=10.0.0.1:20000"]),
+    ("2", "1", ["resources.ray_address=10.0.0.1:20000", "trainer.resume=auto"]),
+    ("2", "0", ["resources.ray_address=10.0.0.1:20000"]),
+])
+def test_requeued_trainer_resumes(tmp_path, capsys, restart_count, resume_on_requeue, expected):
+    """The template's own trainer-arguments block, run by bash: the Ray address always, and
+    trainer.resume=auto only after a requeue (SLURM_RESTART_COUNT > 0) when resuming is on."""
+    rc, script, err = submit_in_process(capsys, "configs/remax_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1",
+                                        "--dry-run", f"--run-dir={tmp_path}")
+    assert rc == 0, err
+    program = "\n".join([
+        "set -u", 'log() { echo "LOG $*" >&2; }', "COMMAND=(train)", "TRAINER=1",
+        f"RESUME_ON_REQUEUE={resume_on_requeue}", "RAY_ADDRESS=10.0.0.1:20000",
+        *([f"SLURM_RESTART_COUNT={restart_count}"] if restart_count else []),
+        _trainer_arguments_block(script), 'printf "%s\\n" "${COMMAND[@]:1}"'])
+    proc = subprocess.run(["bash", "-c", program], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == expected
+    assert ("resumes from the latest checkpoint" in proc.stderr) == ("trainer.resume=auto" in expected)
+
+
+def test_train_requests_checked_against_the_config(capsys, tmp_path):
+    """A trainer config that cannot fit the request fails before submission, naming the option."""
+    base = ["configs/remax_tiny.yaml", "--dry-run", "--run-dir", str(tmp_path / "never")]
+    cases = {
+        ("--nodes", "1", "--gpus-per-node", "1"):
+            "the config's pools need 2 devices (resources.devices=2) but --nodes 1 x --gpus-per-node 1 = 1",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.devices=3"):
+            "resources.devices=3 does not split over --nodes 2",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.pools.rm=1"):
+            "resources.pools.rm=1 does not split over --nodes 2",
+        ("--nodes", "2", "--gpus-per-node", "0"): "--gpus-per-node 0: `hybridrl train` places one worker per device",
+        ("--nodes", "2", "--gpus-per-node", "1", "resources.ray_address=1.2.3.4:5"):
+            "override resources.ray_address=... is set by the job",
+        ("--nodes", "2", "--gpus-per-node", "1", "resources.nodes=1"): "override resources.nodes=... is set by the job",
+        ("--nodes", "2", "--gpus-per-node", "1", "trainer.no_such_option=1"):
+            "config configs/remax_tiny.yaml: bad config option 'trainer.no_such_option'",
+    }
+    for args, message in cases.items():
+        rc, out, err = submit_in_process(capsys, *base, *args)
+        assert rc == 2 and message in err and not out, (args, err)
+    assert not (tmp_path / "never").exists()
 
 
 def test_port_ip_and_slurm_string_helpers():

@@ -85,7 +85,21 @@ def wait_for_cluster(address: str, node_names: list[str], gpus_per_node: int, ti
                                   f"after {timeout_s:.0f} s{'; logs: ' + log_hint if log_hint else ''}")
         time.sleep(poll_s)
 
-    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    # the GCS answers before this host's raylet has registered; on a crowded node that takes longer
+    # than ray.init's own wait (60 s), so keep trying until our deadline
+    while True:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            break
+        except (ConnectionError, RuntimeError) as exc:
+            ray.shutdown()
+            _check_watched(watch, head, address, log_hint)
+            if time.monotonic() > deadline:
+                raise ClusterNotReady(f"the Ray head on node {head} did not come up: its GCS at {address} answers "
+                                      f"but no Ray node could be joined within {timeout_s:.0f} s ({exc})"
+                                      f"{'; logs: ' + log_hint if log_hint else ''}") from None
+            logger.info("Ray at %s not ready to join yet (%s); retrying", address, str(exc).splitlines()[0])
+            time.sleep(poll_s)
     try:
         while True:
             joined = alive_nodes()
