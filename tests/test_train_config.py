@@ -53,3 +53,10 @@ def test_cli_reports_config_error_without_starting_ray(capsys):
 def test_print_config(capsys):
     assert main(["train", "--print-config", "trainer.steps=7"]) == 0
     assert "steps: 7" in capsys.readouterr().out
+
+
+def test_bench_lists_and_refuses_unknown(capsys):
+    assert main(["bench"]) == 0
+    assert "throughput" in capsys.readouterr().out
+    assert main(["bench", "no_such_benchmark"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
