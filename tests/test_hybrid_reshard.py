@@ -255,3 +255,20 @@ def test_generation_model_from_reshard_matches_hf(dist_pool, tiny_llama, hf_logi
         assert recv == costs[rank].recv_payload, rank
     if train[0] * train[1] > gen[0] * gen[1]:
         assert all(r[2] > 0 for r in results)  # weights really moved between ranks
+
+
+EIGHT = [((2, 2, 2), (1, 1)), ((4, 2, 1), (2, 1)), ((2, 4, 1), (1, 2)), ((8, 1, 1), (2, 1))]
+
+
+@pytest.mark.slow
+def test_reshard_eight_processes():
+    """8 gloo processes (own pool, closed at the end): strided generation TP groups with d_g = 4, two DP
+    replicas, p_g = 2; same checks as the 4-rank layouts."""
+    from dist_harness import DistPool
+
+    pool = DistPool(8, timeout_s=300)
+    try:
+        for train, gen in EIGHT:
+            _check_against_accounting(pool.run(_reshard_on_rank, train, gen), train, gen, _specs())
+    finally:
+        pool.close()

@@ -34,7 +34,8 @@ def training_params(model: Any, stage: int) -> list[ShardedParam]:
     for name, param in named_global_parameters(model):
         dim = tp_partition_dim(param)
         regroup = GATED_HALVES if dim is not None and is_gated_fc1(name) else CONCAT
-        out.append(ShardedParam(name, param.data, dim, stage, regroup))
+        # the Parameter itself, not .data: a wrapper (Megatron DDP) that later moves its storage is followed
+        out.append(ShardedParam(name, param, dim, stage, regroup))
     return out
 
 

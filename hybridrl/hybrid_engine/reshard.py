@@ -23,7 +23,8 @@ slot once (inside its own all-gather, or one copy when it is the broadcast root)
 buffer is the only copy of the rank's training shard, so the extra memory held during generation is the
 generation shard minus the training shard (HybridFlow Table 2: M/(t_g p_g) - M/(t p)), plus the few replicated
 tensors the rank holds but does not own (kept aside). to_training() reallocates the training storages, copies
-the own slots back (bit-identical) and frees the generation buffer.
+the own slots back (bit-identical) and frees the generation buffer. The schedule and the storage release are
+in hybrid_engine/inplace.py.
 
 Baselines (ds_chat, hybridflow_v; out of place, for measurement): every member packs its contribution into
 one flat slot (equal slots: padding at the end), the slots are gathered into one buffer of the whole model,
@@ -36,13 +37,13 @@ accounting (hybrid_engine/accounting.py).
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES, ParamSpec
+from hybridrl.hybrid_engine.inplace import InPlaceSchedule, Op, TrainingStorage, numel_of
+from hybridrl.hybrid_engine.model_shapes import CONCAT, ParamSpec
 from hybridrl.hybrid_engine.plan import check_strategy, generation_shard_from_training, \
     training_shard_from_generation
 from hybridrl.parallel.generation import GenerationGroups
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 32 << 20
 # one contiguous output for all members (torch >= 2.13 names it all_gather_single)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_LAYER_NAME = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 
 
 @dataclass
@@ -99,204 +99,6 @@ def new_group_of(rank: int, member_lists: list[list[int]]):
         if rank in members:
             mine = (members, group)
     return mine
-
-
-def _numel(shape) -> int:
-    return int(torch.Size(shape).numel())
-
-
-# ---- the in-place (hybrid) schedule -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Part:
-    """One member's piece of a collective: rows [row, row+rows) along dim 0 of `src` (on the member) land in
-    rows of the generation tensor `dst` narrowed to [start, start+length) along `dim`."""
-    member: int
-    src: str
-    row: int
-    rows: int
-    dst: str
-    dim: int
-    start: int
-    length: int
-    dst_row: int
-
-
-@dataclass(frozen=True)
-class _Op:
-    kind: str                   # "gather" (every member puts a part) | "broadcast" (parts[0].member sends)
-    parts: tuple[_Part, ...]    # in member order for "gather"
-
-
-class _InPlaceSchedule:
-    """Generation-buffer layout and the ordered collectives of one micro-DP group (identical on its members)."""
-
-    def __init__(self, groups: GenerationGroups, member_meta: list, gen_names: set[str] | None,
-                 bucket_elems: int) -> None:
-        self.s_t, self.s_p, self.d_g = groups.tp_stride, groups.pp_stride, groups.micro_dp_size
-        self.member_meta = member_meta
-        self.gen_names = gen_names
-        by_member = [{m.name: m for m in metas} for _, metas in member_meta]
-        for i, metas in enumerate(by_member):  # TP ranks of one stage hold the same parameters
-            ref = by_member[(i // self.s_t) * self.s_t]
-            if {n: m.shape for n, m in metas.items()} != {n: m.shape for n, m in ref.items()}:
-                raise ValueError(f"micro-DP member {i} holds different parameters than its stage's first TP rank")
-        self.by_member = by_member
-        # generation tensors: merged stage by stage, each contiguous in the buffer, no padding
-        self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}
-        offset = 0
-        for pp_off in range(self.s_p):
-            for _, meta in self._stage(pp_off):
-                if gen_names is not None and meta.name not in gen_names:
-                    continue
-                shape = list(meta.shape)
-                if meta.partition_dim is not None:
-                    shape[meta.partition_dim] *= self.s_t
-                self.layout[meta.name] = (offset, tuple(shape))
-                offset += _numel(shape)
-        self.numel = offset
-        self.ops = self._schedule(bucket_elems)
-
-    def _stage(self, pp_off: int) -> list[tuple[str, _Meta]]:
-        """(stage-local key, meta) of a merged training stage, in training order."""
-        metas = self.member_meta[pp_off * self.s_t][1]
-        layers = [int(m.group(2)) for m in (_LAYER_NAME.match(x.name) for x in metas) if m]
-        first = min(layers, default=0)
-        out = []
-        for meta in metas:
-            match = _LAYER_NAME.match(meta.name)
-            key = f"{match.group(1)}{int(match.group(2)) - first}{match.group(3)}" if match else meta.name
-            out.append((key, meta))
-        return out
-
-    def _parts_of(self, member: int, meta: _Meta) -> list[tuple[int, int, int, int, int]]:
-        """(src row, rows, dim, start, length) per sub-part the member contributes to its tensor `meta`."""
-        tp_off = member % self.s_t
-        if meta.partition_dim is None:
-            return [(0, meta.shape[0], 0, 0, meta.shape[0])] if tp_off == 0 else []  # the owner only
-        if self.s_t == 1:
-            return [(0, meta.shape[0], 0, 0, meta.shape[0])]
-        dim, n = meta.partition_dim, meta.shape[meta.partition_dim]
-        if meta.regroup == GATED_HALVES:
-            if dim != 0 or n % 2:
-                raise ValueError(f"{meta.name}: gated fc1 must split dim 0 into [gate; up], got shape {meta.shape}")
-            half = n // 2
-            return [(0, half, 0, tp_off * half, half), (half, half, 0, self.s_t * half + tp_off * half, half)]
-        if meta.regroup != CONCAT:
-            raise ValueError(f"unknown regroup rule {meta.regroup!r} for {meta.name}")
-        return [(0, meta.shape[0], dim, tp_off * n, n)]
-
-    def _schedule(self, bucket_elems: int) -> list[_Op]:
-        stages = [dict(self._stage(p)) for p in range(self.s_p)]
-        keys = list(dict.fromkeys(k for stage in stages for k in stage))
-        ops: list[_Op] = []
-        for key in keys:
-            # sub-part j of every member holding `key` (skipping tensors the generation model does not need)
-            subparts: dict[int, list[_Part]] = {}
-            for member in range(self.d_g):
-                meta = stages[member // self.s_t].get(key)
-                if meta is None or meta.name not in self.layout:
-                    continue
-                for j, (row, rows, dim, start, length) in enumerate(self._parts_of(member, meta)):
-                    subparts.setdefault(j, []).append(_Part(member, meta.name, row, rows, meta.name, dim, start,
-                                                            length, 0))
-            for parts in subparts.values():
-                shapes = {self._piece_shape(p) for p in parts}
-                if len(parts) == self.d_g and len(shapes) == 1:
-                    ops += self._split("gather", parts, bucket_elems)
-                else:
-                    for part in parts:
-                        ops += self._split("broadcast", [part], bucket_elems)
-        return ops
-
-    def _piece_shape(self, part: _Part) -> tuple[int, ...]:
-        meta = self.by_member[part.member][part.src]
-        return (part.rows,) + tuple(meta.shape[1:])
-
-    def _split(self, kind: str, parts: list[_Part], bucket_elems: int) -> list[_Op]:
-        """Cut into row pieces so that one collective's output stays within the bucket."""
-        shape = self._piece_shape(parts[0])
-        row_numel = _numel(shape[1:])
-        rows = shape[0]
-        step = max(1, min(rows, bucket_elems // max(1, len(parts) * row_numel)))
-        return [_Op(kind, tuple(_Part(p.member, p.src, p.row + r, min(step, rows - r), p.dst, p.dim, p.start,
-                                      p.length, r) for p in parts)) for r in range(0, rows, step)]
-
-    def dst_view(self, views: dict[str, torch.Tensor], part: _Part) -> torch.Tensor:
-        target = views[part.dst]
-        if part.dim != 0 or part.start != 0 or part.length != target.shape[0]:
-            target = target.narrow(part.dim, part.start, part.length)
-        return target.narrow(0, part.dst_row, part.rows)
-
-    def is_own_full(self, member: int) -> set[str]:
-        """Names of the member's training tensors it places entirely into the buffer (its slots)."""
-        placed: dict[str, int] = {}
-        for op in self.ops:
-            for p in op.parts:
-                if p.member == member:
-                    placed[p.src] = placed.get(p.src, 0) + p.rows * _numel(self._piece_shape(p)[1:])
-        return {n for n, count in placed.items() if count == _numel(self.by_member[member][n].shape)}
-
-
-class _TrainingStorage:
-    """Frees and restores the storages of the rank's training tensors (FSDP-style storage resize: every view,
-    Megatron DDP's bucket buffers and optimizer shards included, stays valid). A storage is freed only if it
-    is resizable, our tensors tile it without overlap, and the bytes between them are zero (DDP padding), so
-    restoring loses nothing."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.storages: list = []
-        self.members: list[list[str]] = []
-        index: dict[int, int] = {}
-        self.storage_of: dict[str, int] = {}
-        for name, t in tensors.items():
-            st = t.untyped_storage()
-            if st.data_ptr() not in index:
-                index[st.data_ptr()] = len(self.storages)
-                self.storages.append(st)
-                self.members.append([])
-            self.members[index[st.data_ptr()]].append(name)
-            self.storage_of[name] = index[st.data_ptr()]
-        self.tensors = tensors
-        self.sizes = [st.nbytes() for st in self.storages]
-        self.freed = [False] * len(self.storages)
-
-    def _bytes(self, i: int) -> torch.Tensor:
-        device = self.tensors[self.members[i][0]].device
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(self.storages[i], 0, (self.sizes[i],))
-
-    def _restorable(self, i: int) -> bool:
-        tensors = [self.tensors[n] for n in self.members[i]]
-        if not self.storages[i].resizable() or any(not t.is_contiguous() for t in tensors):
-            return False
-        spans = sorted((t.storage_offset() * t.element_size(), (t.storage_offset() + t.numel()) * t.element_size())
-                       for t in tensors)
-        raw, cursor = self._bytes(i), 0
-        for start, end in spans + [(self.sizes[i], self.sizes[i])]:
-            if start < cursor or bool(raw[cursor:start].any()):
-                return False  # overlapping tensors, or something else lives between them: keep it
-            cursor = end
-        return True
-
-    def releasable(self) -> set[str]:
-        """Names of the tensors whose storages release() will free."""
-        return {n for i in range(len(self.storages)) if self._restorable(i) for n in self.members[i]}
-
-    def release(self, names: set[str]) -> int:
-        """Free the storages of `names` (from releasable()); returns the bytes freed."""
-        freed = 0
-        for i in sorted({self.storage_of[n] for n in names}):
-            self.storages[i].resize_(0)
-            self.freed[i] = True
-            freed += self.sizes[i]
-        return freed
-
-    def restore(self) -> None:
-        """Reallocate the freed storages, zeroed; the caller copies the tensors' contents back."""
-        for i in range(len(self.storages)):
-            if self.freed[i]:
-                self.storages[i].resize_(self.sizes[i])
-                self._bytes(i).zero_()
-                self.freed[i] = False
 
 
 class Resharder:
@@ -348,11 +150,11 @@ class Resharder:
         self._views: dict[str, torch.Tensor] | None = None
         if strategy == "hybrid":
             elems = max(1, bucket_bytes // torch.empty(0, dtype=self.dtype).element_size())
-            self.schedule = _InPlaceSchedule(groups, gathered, generation_names, elems)
-            own = {p.name: p.tensor for p in params}
-            self._own = own
-            self._placed = self.schedule.is_own_full(self.me)
-            self._storage = _TrainingStorage(own) if release_training else None
+            self.schedule = InPlaceSchedule(groups, gathered, generation_names, elems)
+            self._own = {p.name: p.tensor for p in params}
+            self._placed = self.schedule.placed_by(self.me)
+        self._storage: TrainingStorage | None = None
+        self._kept: dict[str, torch.Tensor] = {}
 
     # ---- the transition --------------------------------------------------------------------------
     def to_generation(self) -> dict[str, torch.Tensor]:
@@ -371,7 +173,7 @@ class Resharder:
         tensors their storage and values back (bit-identical: the own slots are exact copies)."""
         if self._views is None:
             return
-        if self.strategy == "hybrid" and self._storage is not None and any(self._storage.freed):
+        if self._storage is not None and any(self._storage.freed):
             self._storage.restore()
             with torch.no_grad():
                 for op in self.schedule.ops:
@@ -388,10 +190,10 @@ class Resharder:
 
     # ---- hybrid: in place --------------------------------------------------------------------------
     def _to_generation_in_place(self) -> dict[str, torch.Tensor]:
-        sched, group, me = self.schedule, self.group, self.me
+        sched = self.schedule
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         self._buffer = torch.empty(sched.numel, dtype=self.dtype, device=self.device)
-        views = {name: self._buffer[off:off + _numel(shape)].view(shape) for name, (off, shape) in
+        views = {name: self._buffer[off:off + numel_of(shape)].view(shape) for name, (off, shape) in
                  sched.layout.items()}
         stats = ReshardStats(buffer_bytes=sched.numel * itemsize, generation_bytes=sched.numel * itemsize)
         scratch_elems = 0
@@ -407,11 +209,11 @@ class Resharder:
         del scratch
         stats.recv_wire_bytes = stats.recv_payload_bytes  # no padding: every piece is real data
         # the training shard now lives in its slots; what the rank holds but did not place is kept aside
-        self._kept = {}
-        released = 0
-        if self._storage is not None:
+        self._kept, released = {}, 0
+        if self.release_training:  # storages looked up now: a wrapper (DDP) may have moved them since
+            self._storage = TrainingStorage(self._own)
             releasable = self._storage.releasable()
-            self._kept = {n: self._own[n].clone() for n in releasable if n not in self._placed}
+            self._kept = {n: self._own[n].detach().clone() for n in releasable if n not in self._placed}
             released = self._storage.release(releasable)
         stats.kept_bytes = sum(t.numel() * t.element_size() for t in self._kept.values())
         stats.released_training_bytes = released
@@ -420,7 +222,7 @@ class Resharder:
         self.last_stats = stats
         return views
 
-    def _run_op(self, op: _Op, views: dict[str, torch.Tensor], scratch: torch.Tensor, stats: ReshardStats,
+    def _run_op(self, op: Op, views: dict[str, torch.Tensor], scratch: torch.Tensor, stats: ReshardStats,
                 itemsize: int) -> None:
         sched, me = self.schedule, self.me
         dsts = [sched.dst_view(views, p) for p in op.parts]
