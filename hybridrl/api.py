@@ -201,20 +201,34 @@ class Actor(_Role):
     def generate_sequences(self, prompts: Any, greedy: bool = False, seed: int | None = None,
                            **sampling: Any) -> Rollout:
         """Sample responses (n per prompt, prompt-major). greedy=True: the argmax response (ReMax baseline)."""
+        return self.generate_many(prompts, [{"greedy": greedy, "seed": seed, **sampling}])[0]
+
+    def generate_many(self, prompts: Any, settings: list[dict]) -> list[Rollout]:
+        """Several sampling settings for the same prompts inside ONE training -> generation transition
+        (ReMax's sampled and greedy responses cost one reshard, not two). Each setting: greedy, seed and
+        SamplingParams fields overriding the actor's rollout defaults."""
         batch, texts, metadata = self.encode_prompts(prompts)
-        params = {**self.sampling, **sampling}
-        if greedy:
-            params.update(greedy=True, n=1)
-        if seed is None:
-            self._step_seed += 1
-            seed = self._step_seed
-        params["seed"] = seed
-        results = self.group.generate_sequences(batch, params)
-        sequences = merge_replicas(results)
-        n = int(params.get("n", 1))
-        sequences.meta["timing"] = _max_timing(results)
-        return Rollout(sequences, self.decode_responses(sequences), [t for t in texts for _ in range(n)],
-                       [m for m in metadata for _ in range(n)])
+        all_params = []
+        for setting in settings:
+            params = {**self.sampling, **{k: v for k, v in setting.items() if k not in ("greedy", "seed")}}
+            if setting.get("greedy"):
+                params.update(greedy=True, n=1)
+            seed = setting.get("seed")
+            if seed is None:
+                self._step_seed += 1
+                seed = self._step_seed
+            params["seed"] = seed
+            all_params.append(params)
+        results = self.group.generate_sequences(batch, all_params)
+        rollouts = []
+        for i, params in enumerate(all_params):
+            per_replica = [None if r is None else (r[0], r[1][i]) for r in results]
+            sequences = merge_replicas(per_replica)
+            sequences.meta["timing"] = _max_timing(per_replica)
+            n = int(params.get("n", 1))
+            rollouts.append(Rollout(sequences, self.decode_responses(sequences), [t for t in texts for _ in range(n)],
+                                    [m for m in metadata for _ in range(n)]))
+        return rollouts
 
     def compute_log_probs(self, sequences: Any) -> torch.Tensor:
         """[B, R] log-probs of the responses under the current policy (training layout)."""

@@ -130,11 +130,11 @@ class RLTrainer:
         timer.start_step()
         prompts = self.loader.next_batch()
         seed = cfg.trainer.seed * 100_003 + self.step
-        with timer("generation"):
-            out = actor.generate_sequences(prompts, seed=seed)
-            greedy = actor.generate_sequences(prompts, greedy=True) if spec.needs_greedy_baseline else None
-        timer.add("transition", out.sequences.meta.get("timing", {}).get("transition", 0.0)
-                  + (greedy.sequences.meta.get("timing", {}).get("transition", 0.0) if greedy else 0.0))
+        with timer("generation"):  # ReMax's greedy baseline shares the sampled responses' transition
+            settings = [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if spec.needs_greedy_baseline else [])
+            out, *rest = actor.generate_many(prompts, settings)
+            greedy = rest[0] if rest else None
+        timer.add("transition", out.sequences.meta.get("timing", {}).get("transition", 0.0))
         n = cfg.rollout.n
         mask = out.mask
         with timer("reward"):

@@ -83,15 +83,14 @@ class ActorWorker(_LogProbMixin, Worker):
 
     # ---- generation ------------------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
-    def generate_sequences(self, prompts: Batch, sampling: dict) -> tuple[int, Batch] | None:
+    def generate_sequences(self, prompts: Batch, sampling: dict | list[dict]) -> tuple[int, Any] | None:
         """Generate for this rank's generation replica's share of `prompts` (left-padded "input_ids" +
         "attention_mask"); returns (replica index, Batch) on generation TP rank 0, None elsewhere. The
-        Batch's meta carries the transition and generation seconds."""
-        from hybridrl.rollout import SamplingParams
+        Batch's meta carries the transition and generation seconds.
 
-        sampling = dict(sampling)
-        stops = tuple(sampling.pop("stop_token_ids", ()) or ()) or self.rollout_spec.stop_token_ids
-        seed = sampling.pop("seed", None)
+        `sampling` may be a list of settings (e.g. sampled + greedy for ReMax): all are generated inside one
+        transition, and the result is (replica index, [Batch per setting])."""
+        settings = sampling if isinstance(sampling, list) else [sampling]
         replica, replicas = self.hybrid.gen_dp_rank, self.hybrid.gen_dp_size
         share = prompts.chunk(replicas)[replica]
         start = time.perf_counter()
@@ -100,23 +99,27 @@ class ActorWorker(_LogProbMixin, Worker):
         self.engine.wake()
         transition_s = time.perf_counter() - start
         try:
-            if len(share) == 0:
-                out = None
-            else:
-                params = SamplingParams(**sampling, stop_token_ids=stops,
-                                        seed=None if seed is None else int(seed) + replica)
-                out = self.engine.generate(share, params)
+            outs = [self._generate(share, dict(setting), replica) for setting in settings] if len(share) else None
         finally:
             start_back = time.perf_counter()
             self.engine.release()
             self.hybrid.to_training()
             transition_s += time.perf_counter() - start_back
         generation_s = time.perf_counter() - start - transition_s
-        if out is None or not self.hybrid.is_gen_collect_rank:
+        if outs is None or not self.hybrid.is_gen_collect_rank:
             return None
-        out.meta["timing"] = {"transition": transition_s, "generation": generation_s}
-        out.meta["reshard_recv_bytes"] = self.hybrid.last_stats.recv_payload_bytes
-        return replica, out
+        for out in outs:  # the transition is shared: each result reports it (the driver takes the max)
+            out.meta["timing"] = {"transition": transition_s, "generation": generation_s}
+            out.meta["reshard_recv_bytes"] = self.hybrid.last_stats.recv_payload_bytes
+        return replica, (outs if isinstance(sampling, list) else outs[0])
+
+    def _generate(self, share: Batch, sampling: dict, replica: int) -> Batch:
+        from hybridrl.rollout import SamplingParams
+
+        stops = tuple(sampling.pop("stop_token_ids", ()) or ()) or self.rollout_spec.stop_token_ids
+        seed = sampling.pop("seed", None)
+        params = SamplingParams(**sampling, stop_token_ids=stops, seed=None if seed is None else int(seed) + replica)
+        return self.engine.generate(share, params)
 
     def _push_weights(self, gen_model) -> None:
         if self.rollout_spec.engine == "native":
