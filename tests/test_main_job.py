@@ -28,5 +28,5 @@ def test_default_remax_run_learns(tmp_path):
     assert rewards[0] < 0.2, rewards
     assert max(rewards[-5:]) > 0.8 and sum(rewards[-5:]) / 5 > 0.8, rewards
     assert any(r["kl_mean"] > 0 for r in records)  # the policy left the reference
-    assert list(run_dir.glob("events.out.tfevents.*")) and (run_dir / "curves.png").stat().st_size > 0
+    assert list(run_dir.glob("tensorboard/events.out.tfevents.*")) and (run_dir / "curves.png").stat().st_size > 0
     assert (run_dir / "config.yaml").read_text().count("remax") >= 1
