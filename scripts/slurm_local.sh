@@ -43,9 +43,11 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
 fi
 
 # 2. config: n1..nN on 127.0.0.1, one slurmd port each; %n keeps their spool dirs and pid files apart
-if [[ -f $CONF ]] && ! grep -qF "$MARKER" "$CONF"; then
-    die "$CONF exists and was not written by this script; refusing to overwrite it"
-fi
+for existing in "$CONF" "$GRES_CONF"; do
+    if [[ -f $existing ]] && ! grep -qF "$MARKER" "$existing"; then
+        die "$existing exists and was not written by this script; refusing to overwrite it"
+    fi
+done
 mkdir -p "$STATE/ctld" "$LOGS" /etc/slurm
 node_lines=""
 gres_node=""
