@@ -2,6 +2,7 @@
 
     hybridrl convert --from hf --to mcore --tp 2 --pp 2 SRC_HF_DIR DST_MCORE_DIR
     hybridrl convert --from mcore --to hf [--tp T --pp P] SRC_MCORE_DIR DST_HF_DIR
+    hybridrl convert --from ckpt --to hf [--tp T --pp P] RUN/ckpt/step_N DST_HF_DIR   (a training run's actor)
 
 Everything that can be checked without Megatron (formats, architecture, layout divisibility,
 checkpoint completeness) is checked before any process starts.
@@ -24,7 +25,7 @@ from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("hf", "mcore")
+FORMATS = ("hf", "mcore", "ckpt")  # ckpt: a `hybridrl train` checkpoint folder (source only)
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,9 +68,19 @@ def plan(source_format: str, target_format: str, src: str, dst: str, tp: int = 1
     from hybridrl.models.checkpoint_hf import check_hf_checkpoint
     from hybridrl.models.dist_ckpt import read_dist_checkpoint_info
 
-    if (source_format, target_format) not in (("hf", "mcore"), ("mcore", "hf")):
+    if (source_format, target_format) not in (("hf", "mcore"), ("mcore", "hf"), ("ckpt", "hf")):
         raise ConvertError(f"--from {source_format} --to {target_format} is not a conversion; use "
-                           f"--from hf --to mcore or --from mcore --to hf")
+                           f"--from hf --to mcore, --from mcore --to hf or --from ckpt --to hf")
+    if source_format == "ckpt":  # the actor's Megatron checkpoint inside RUN/ckpt/step_N
+        from hybridrl.trainer.checkpoint import CheckpointNotFoundError, actor_model_dir
+
+        if not Path(src).is_dir():
+            raise CheckpointError(f"source {src} does not exist or is not a folder")
+        try:
+            src = str(actor_model_dir(src))
+        except CheckpointNotFoundError as exc:
+            raise CheckpointError(str(exc)) from None
+        source_format = "mcore"
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     layout = ParallelLayout(tp=tp, pp=pp)
