@@ -109,3 +109,28 @@ def test_device_list_and_separate_pools_with_different_layouts(ray_cluster):
     finally:
         actor_pool.shutdown()
         ref_pool.shutdown()
+
+
+def test_reward_model_scores_equal_transformers(ray_cluster, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from hybridrl.data.tokenizer import VOCAB_SIZE
+    from hybridrl.models.tiny import create_tiny_model
+
+    rm_path = str(create_tiny_model(tmp_path / "rm", "llama", vocab_size=VOCAB_SIZE, hidden=32, layers=2, heads=4,
+                                    kv_heads=2, head="seq_cls", seed=7))
+    pool = hybridrl.ResourcePool(devices=2, name="rm")
+    try:
+        actor = hybridrl.Actor(parallel={"tp": 2}, rollout={"tp": 1, "max_new_tokens": 8}, resource_pool=pool)
+        reward_model = hybridrl.RewardModel(model=rm_path, resource_pool=pool)  # colocated: TP=2 like the actor
+        out = actor.generate_sequences(PROMPTS[:4], seed=2)
+        scores = reward_model.score(PROMPTS[:4], out)
+    finally:
+        pool.shutdown()
+    reference = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32)
+    seq = out.sequences
+    with torch.no_grad():
+        for row in range(len(out)):
+            ids = seq["input_ids"][row][seq["attention_mask"][row].bool()].unsqueeze(0)  # unpadded sequence
+            expected = reference(input_ids=ids).logits[0, 0]
+            assert abs(scores[row].item() - expected.item()) <= 1e-4, row
