@@ -104,6 +104,15 @@ def cpu_threads_per_worker(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
+def _quiet_upstream_warnings() -> None:
+    """Every worker would print the same upstream deprecation notices (Megatron's optional TE/Apex, torch's
+    renamed collectives) once per process; they say nothing about the run, so workers drop them."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
 class WorkerHost:
     """Body of the per-device Ray actor (made remote by the WorkerGroup with placement options)."""
 
@@ -112,6 +121,7 @@ class WorkerHost:
         self.local_rank, self.local_world_size = local_rank, local_world_size
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                           LOCAL_WORLD_SIZE=str(local_world_size))
+        _quiet_upstream_warnings()
         import torch
 
         if not torch.cuda.is_available():
