@@ -2,7 +2,8 @@
 model's weights view the in-place generation buffer, its logits equal the training model's and transformers',
 the training weights are freed while generating and bit-identical after the round trip (under Megatron DDP +
 distributed optimizer too, and an optimizer step in between reaches the next generation), and the memory
-held while generating is the accounting's zero-redundancy figure."""
+held while generating is the accounting's zero-redundancy figure. A p_g = 2 generation model (two pipeline
+stages on the generation PP groups) run stage by stage gives transformers' logits too."""
 from __future__ import annotations
 
 import pytest
@@ -174,3 +175,71 @@ def test_engine_refuses_bad_bucket(tiny_llama):
 
     with pytest.raises(ValueError, match="bucket_mb"):
         HybridEngine(None, load_hf_config(str(tiny_llama)), ParallelLayout(tp=4), GenerationLayout(tp=2), bucket_mb=0)
+
+
+PP_LAYOUTS = [((2, 2, 1), (1, 2)), ((1, 4, 1), (1, 2))]
+
+
+def _pipelined_generation_logits(model_dir, train_tpd, gen_tp_pp, input_ids):
+    """A p_g = 2 generation model: stage 0 runs the embedding and its layers, sends the hidden states to stage
+    1 over the generation PP group, stage 1 finishes; logits on the last stage."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.hybrid_engine.engine import HybridEngine
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    (t, p, d), (tg, pg) = train_tpd, gen_tp_pp
+    layout = ParallelLayout(tp=t, pp=p, dp=d)
+    initialize_model_parallel(layout)
+    hf_config = load_hf_config(model_dir)
+    train_model = build_gpt_model(hf_config)
+    load_hf_weights(train_model, model_dir, hf_config)
+    before = {n: prm.detach().clone() for n, prm in train_model.named_parameters()}
+    engine = HybridEngine(train_model, hf_config, layout, GenerationLayout(tp=tg, pp=pg), bucket_mb=1 / 256)
+    gen_model = engine.to_generation()
+    pp_group = gen_model.pg_collection.pp
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    stage = pp_group.rank()
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand(input_ids.shape[0], -1)
+    logits = None
+    with torch.no_grad():
+        if stage > 0:
+            hidden = torch.empty(input_ids.shape[1], input_ids.shape[0], hf_config.hidden_size)
+            dist.recv(hidden, src=pp_ranks[stage - 1])
+            gen_model.set_input_tensor(hidden)
+        out = gen_model(input_ids, positions, attention_mask=None)
+        if stage < pg - 1:
+            dist.send(out.contiguous(), dst=pp_ranks[stage + 1])
+        else:
+            logits = out[..., :hf_config.vocab_size]
+    layers = [m.layer_number for m in gen_model.decoder.layers]
+    stats = engine.last_stats
+    engine.to_training()
+    identical = all(torch.equal(prm, before[n]) for n, prm in train_model.named_parameters())
+    return {"stage": stage, "layers": layers, "logits": logits, "identical": identical, "held": stats.held_bytes}
+
+
+@pytest.mark.parametrize("train,gen", PP_LAYOUTS, ids=[f"{a}->{b}" for a, b in PP_LAYOUTS])
+def test_generation_model_with_two_stages(dist_pool, tiny_llama, hf_logits, train, gen):
+    from hybridrl.hybrid_engine.accounting import account
+    from hybridrl.hybrid_engine.model_shapes import model_shapes
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    input_ids, reference = hf_logits
+    results = dist_pool(4).run(_pipelined_generation_logits, str(tiny_llama), train, gen, input_ids)
+    layout, genl = ParallelLayout(tp=train[0], pp=train[1], dp=train[2]), GenerationLayout(tp=gen[0], pp=gen[1])
+    plan = HybridEnginePlan(layout, genl, model_shapes(str(tiny_llama)), dtype_bytes=4)
+    costs, groups = account(plan, "hybrid").ranks, GenerationGroups(layout, genl)
+    for rank, res in enumerate(results):
+        shard = groups.gen_shard(rank)
+        assert res["stage"] == shard.gen_pp and res["identical"], rank
+        assert res["layers"] == [i + 1 for i in plan.gen_stage_layers(shard.gen_pp)], rank  # 1-based, global
+        assert res["held"] == costs[rank].buffer_payload - plan.training_bytes(rank) + costs[rank].redundant
+        if shard.gen_pp == gen[1] - 1:
+            assert (res["logits"] - reference).abs().max().item() <= 1e-4, rank

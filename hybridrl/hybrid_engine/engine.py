@@ -8,8 +8,9 @@ One object per rank, built once (collectively) next to the training model:
     engine.to_training()                 # release what generation held; training weights bit-identical
 
 When the generation layout equals the training layout (t_g = t, p = p_g = 1) nothing moves: the training
-model itself generates. Otherwise a generation-layout Megatron model is built on the strided generation
-groups (parallel/generation.py) and its parameters are pointed at the Resharder's generation buffer on each
+model itself generates. Otherwise a generation-layout Megatron model (t_g, p_g; the rollout engines use
+p_g = 1, a p_g > 1 model is a pipeline stage run by the caller) is built on the strided generation groups
+(parallel/generation.py) and its parameters are pointed at the Resharder's generation buffer on each
 to_generation() (hybrid: in place, see reshard.py; the model object stays the same, so a rollout engine built
 on `gen_model` once keeps working). Between transitions the generation model holds no parameter memory, and
 with release_training the training storages are freed while generating (zero redundancy).
@@ -85,8 +86,9 @@ class HybridEngine:
 
     @property
     def is_gen_collect_rank(self) -> bool:
-        """True on generation TP rank 0 (of the single generation stage): it returns the replica's output."""
-        return self.groups.gen_shard(self.rank).gen_tp == 0
+        """True on generation TP rank 0 of the last generation stage: it returns the replica's output."""
+        shard = self.groups.gen_shard(self.rank)
+        return shard.gen_tp == 0 and shard.gen_pp == self.groups.gen.pp - 1
 
     # ---- the transition ------------------------------------------------------------------------------
     def to_generation(self) -> Any:

@@ -44,21 +44,27 @@ def _this_ranks_group(member_lists: list[list[int]], rank: int):
 
 
 def generation_pg_collection(groups: GenerationGroups):
-    """ProcessGroupCollection for this rank's generation-layout model (collective over all ranks).
-    Generation models are single-stage here (p_g = 1); the reshard itself handles any p_g."""
+    """ProcessGroupCollection for this rank's generation-layout model (collective over all ranks): strided
+    generation TP groups, generation PP groups (p_g stages; the rollout engines use p_g = 1), no context
+    parallelism. No embedding group: tied embeddings are filled by the reshard on every stage that holds them."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    if groups.gen.pp != 1:
-        raise NotImplementedError(f"a generation-layout model with p_g={groups.gen.pp} stages is not built yet; "
-                                  f"use --gen-pp 1 (the reshard's tensors support any p_g)")
     rank = dist.get_rank()
     tp = _this_ranks_group(groups.gen_tp_groups(), rank)
     single = _this_ranks_group([[r] for r in range(groups.train.world_size)], rank)
+    if groups.gen.pp == 1:
+        pp, mp = single, tp
+    else:
+        pp = _this_ranks_group(groups.gen_pp_groups(), rank)
+        # model-parallel group: the generation TP groups of one replica's stages together
+        pp_of = {r: g for g in groups.gen_pp_groups() for r in g}
+        mp_lists = sorted({tuple(sorted(r2 for r in g for r2 in pp_of[r])) for g in groups.gen_tp_groups()})
+        mp = _this_ranks_group([list(m) for m in mp_lists], rank)
     dp = _this_ranks_group(groups.gen_dp_groups(), rank)
     pgs = ProcessGroupCollection()
-    pgs.tp, pgs.pp, pgs.cp, pgs.mp, pgs.tp_cp = tp, single, single, tp, tp
+    pgs.tp, pgs.pp, pgs.cp, pgs.mp, pgs.tp_cp = tp, pp, single, mp, tp
     pgs.dp, pgs.dp_cp = dp, dp
-    pgs.embd, pgs.pos_embd = None, None  # one stage: no embedding sync across stages
+    pgs.embd, pgs.pos_embd = None, None  # weights come from the reshard: no embedding sync across stages
     return pgs
 
 
