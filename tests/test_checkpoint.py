@@ -1,0 +1,316 @@
+"""Checkpoints, exact resume, worker-failure recovery, the NaN policy and checkpoint -> HF export, through
+the real trainer: a local Ray cluster, Megatron workers over gloo (actor at TP=2 or TP=1), the hybrid engine,
+the native rollout engine and Megatron distributed checkpoints of the weights and the distributed optimizer.
+
+One uninterrupted 6-step run (checkpoints at steps 3 and 6) is the reference the other runs are compared with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridrl.trainer import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=8", "actor.micro_batch_size=4",
+          "ref.micro_batch_size=4", "trainer.progress_bar=false", "trainer.trackers=[]", "trainer.keep_last=3",
+          "actor.parallel.tp=2", "rollout.tp=1"]
+ROWS_PER_STEP = 4 * 2 + 4  # sampled responses + greedy baselines scored per step (reward calls)
+HOOK_REWARD = "test_checkpoint:hooked_reward"
+UNTIMED = ("time/", "tokens_per_s")  # wall-clock metrics differ between runs
+
+
+# ---- a reward function with a test hook (runs on the driver: reward.num_workers=0) ---------------------------
+_HOOK: dict = {"calls": 0, "nan_calls": range(0), "on_call": None, "fire_at": -1}
+
+
+def hooked_reward(prompt: str, response: str, **meta) -> float:
+    """The bundled task reward; NaN for the calls in _HOOK["nan_calls"]; runs _HOOK["on_call"] once at
+    call number _HOOK["fire_at"] (used to kill a worker in the middle of a step)."""
+    from hybridrl.data.tasks import charset_reward
+
+    call = _HOOK["calls"]
+    _HOOK["calls"] += 1
+    if call == _HOOK["fire_at"] and _HOOK["on_call"] is not None:
+        action, _HOOK["on_call"] = _HOOK["on_call"], None
+        action()
+    if call in _HOOK["nan_calls"]:
+        return float("nan")
+    return charset_reward(prompt, response, **meta)
+
+
+def _hook() -> dict:
+    """The _HOOK the trainer's reward function sees (the module as load_reward_fn imports it)."""
+    from hybridrl.workers.rule_reward import load_reward_fn
+
+    module = sys.modules[load_reward_fn(HOOK_REWARD).__module__]
+    module._HOOK.update(calls=0, nan_calls=range(0), on_call=None, fire_at=-1)
+    return module._HOOK
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from hybridrl.controller import init_local_ray, shutdown_ray
+
+    shutdown_ray()
+    init_local_ray(2)
+    yield
+    shutdown_ray()
+
+
+def _trainer(overrides: list[str]):
+    from hybridrl.config import load_config
+    from hybridrl.trainer.loop import RLTrainer
+    from hybridrl.trainer.plan import plan_run
+
+    cfg = load_config(None, COMMON + overrides)
+    return RLTrainer(cfg, plan_run(cfg))
+
+
+def _tracker(run_dir: Path):
+    from hybridrl.trainer.tracking import MetricsTracker
+
+    return MetricsTracker(run_dir, backends=[], total_steps=6, progress_bar=False)
+
+
+def _cli(overrides: list[str], capsys=None) -> tuple[int, str]:
+    from hybridrl.trainer.cli import run
+
+    rc = run(argparse.Namespace(config=None, overrides=COMMON + overrides, print_config=False))
+    return rc, (capsys.readouterr().err if capsys is not None else "")
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(UNTIMED)}
+
+
+def _assert_same_metrics(got: list[dict], want: list[dict], rel: float = 1e-5, skip: tuple = ()) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want):
+        a, b = _comparable(a), _comparable(b)
+        a, b = ({k: v for k, v in r.items() if k not in skip} for r in (a, b))
+        assert a.keys() == b.keys(), (a.keys(), b.keys())
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (a["step"], key, a[key], b[key])
+
+
+@pytest.fixture(scope="module")
+def reference_run(ray_cluster, tmp_path_factory):
+    """6 uninterrupted steps at actor TP=2, checkpoints at steps 3 and 6; then, from the live actor, its HF
+    export and the log-probs of a fresh rollout (for the checkpoint -> HF test)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    trainer = _trainer(["trainer.steps=6", "trainer.save_every=3", f"trainer.run_dir={run_dir}"])
+    tracker = _tracker(run_dir)
+    try:
+        trainer.run(tracker, run_dir)
+        actor = trainer.roles["actor"]
+        rollout = actor.generate_sequences(trainer.loader.next_batch(), seed=7)
+        log_probs = actor.compute_log_probs(rollout)
+        actor.save_hf(str(run_dir / "live_hf"))
+    finally:
+        trainer.close()
+        tracker.close()
+    return {"dir": run_dir, "records": _records(run_dir), "rollout": rollout.sequences, "log_probs": log_probs}
+
+
+# ---- tests -----------------------------------------------------------------------------------------------------
+def test_checkpoints_are_written_atomically_and_pruned(reference_run):
+    run_dir = reference_run["dir"]
+    assert [r["step"] for r in reference_run["records"]] == [1, 2, 3, 4, 5, 6]
+    manager = ckpt.CheckpointManager(run_dir, keep_last=3)
+    assert [step for step, _ in manager.steps()] == [3, 6]
+    assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_6"
+    assert not list((run_dir / "ckpt").glob("*.tmp-*"))
+    step3 = run_dir / "ckpt" / "step_3"
+    for part in ("actor/model/metadata.json", "actor/model/hybridrl_model.json", "actor/optimizer/metadata.json",
+                 "actor/rng/rank_00000.pt", "actor/rng/rank_00001.pt", "driver.pt"):
+        assert (step3 / part).is_file(), part
+    state = ckpt.load_driver_state(step3)
+    assert state["step"] == 3 and state["loader"]["batch_in_epoch"] == 3 and state["algorithm"] == "remax"
+    assert {"torch", "python", "numpy"} <= set(state["rng"]) and state["actor_sampling_seed"] is not None
+    # keep_last prunes: only the newest one survives with keep_last=1
+    pruned = run_dir.parent / "pruned"
+    shutil.copytree(run_dir / "ckpt", pruned / "ckpt")
+    small = ckpt.CheckpointManager(pruned, keep_last=1)
+    tmp = small.begin(7)
+    shutil.copytree(step3, tmp, dirs_exist_ok=True)
+    small.commit(tmp, 7)
+    assert [step for step, _ in small.steps()] == [7] and small.latest().name == "step_7"
+
+
+def test_resume_after_step_3_matches_uninterrupted_run(reference_run, tmp_path, capsys):
+    """A run stopped after step 3 (its folder as it was then, plus a save of step 6 killed midway) resumed
+    with `hybridrl train trainer.resume=auto` gives the uninterrupted run's metrics at steps 4-6."""
+    ref_dir = reference_run["dir"]
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir / "ckpt" / "step_3", run_dir / "ckpt" / "step_3")
+    (run_dir / "ckpt" / "latest").write_text("step_3\n")
+    # lines of steps 4-5 that the stopped run logged after its checkpoint: resume must drop them
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reference_run["records"][:5]))
+    # a save of step 6 killed midway: shards written, no driver state, never renamed
+    killed = run_dir / "ckpt" / "step_6.tmp-killed"
+    shutil.copytree(ref_dir / "ckpt" / "step_6" / "actor", killed / "actor")
+    (killed / "actor" / "optimizer" / "metadata.json").unlink()
+    assert ckpt.CheckpointManager(run_dir).latest() == run_dir / "ckpt" / "step_3"
+
+    rc, _ = _cli(["trainer.steps=6", "trainer.save_every=3", f"trainer.run_dir={run_dir}", "trainer.resume=auto"],
+                 capsys)
+    assert rc == 0
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # one line per step, none repeated
+    _assert_same_metrics(records, reference_run["records"])
+    # same prompts: the loader position and the driver state at step 6 equal the uninterrupted run's
+    resumed, reference = (ckpt.load_driver_state(d / "ckpt" / "step_6") for d in (run_dir, ref_dir))
+    assert resumed["loader"] == reference["loader"] and resumed["kl_ctrl"] == reference["kl_ctrl"]
+    assert resumed["actor_sampling_seed"] == reference["actor_sampling_seed"]
+    assert not killed.exists()  # the next save cleared the interrupted one
+
+
+def test_tp2_checkpoint_resumes_at_tp1(reference_run, tmp_path):
+    """The step-3 checkpoint written at actor TP=2 (dp=1) loads at TP=1 (dp=2): weights and optimizer state
+    reshard, and step 4 equals the TP=2 run's step 4 up to float rounding."""
+    run_dir = tmp_path / "tp1"
+    trainer = _trainer(["trainer.steps=4", "actor.parallel.tp=1", f"trainer.run_dir={run_dir}"])
+    tracker = _tracker(run_dir)
+    try:
+        trainer.run(tracker, run_dir, ckpt.resolve_resume(str(reference_run["dir"] / "ckpt" / "step_3"), run_dir))
+        assert trainer.roles["actor"].layout.tp == 1
+    finally:
+        trainer.close()
+        tracker.close()
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [4]
+    # per-token metrics are averaged per DP rank before the driver averages the ranks: at dp=2 they are not the
+    # same statistic as at dp=1 (the update is: its loss is the global token mean, see grad_norm)
+    _assert_same_metrics(records, reference_run["records"][3:4], rel=1e-4,
+                         skip=("actor/pg_loss", "actor/entropy", "actor/clipfrac", "actor/approx_kl"))
+
+
+def test_killed_worker_is_recovered_and_run_finishes(reference_run, tmp_path):
+    """The actor's rank-0 process is killed in the middle of step 5: the driver tears the roles down,
+    restarts them, reloads step 3 and finishes; steps 4-6 equal the uninterrupted run's."""
+    hook = _hook()
+    run_dir = tmp_path / "killed"
+    trainer = _trainer(["trainer.steps=6", "trainer.save_every=3", "trainer.max_restarts=1",
+                        f"trainer.run_dir={run_dir}", f"reward.fn={HOOK_REWARD}"])
+    killed: list[int] = []
+
+    def kill_actor() -> None:
+        pid = trainer.roles["actor"].group.worker_info[0]["pid"]
+        killed.append(pid)
+        os.kill(pid, signal.SIGKILL)
+
+    hook.update(on_call=kill_actor, fire_at=4 * ROWS_PER_STEP + 3)  # during step 5's scoring
+    tracker = _tracker(run_dir)
+    try:
+        trainer.run(tracker, run_dir)
+        new_pid = trainer.roles["actor"].group.worker_info[0]["pid"]
+    finally:
+        trainer.close()
+        tracker.close()
+    assert killed and new_pid != killed[0]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    _assert_same_metrics(records, reference_run["records"])
+
+
+def test_worker_deaths_beyond_max_restarts_stop_with_a_message(ray_cluster, tmp_path):
+    from hybridrl.trainer.loop import RestartsExhaustedError
+
+    hook = _hook()
+    run_dir = tmp_path / "exhausted"
+    trainer = _trainer(["trainer.steps=2", "trainer.max_restarts=0", f"trainer.run_dir={run_dir}",
+                        f"reward.fn={HOOK_REWARD}"])
+    hook.update(on_call=lambda: os.kill(trainer.roles["actor"].group.worker_info[1]["pid"], signal.SIGKILL),
+                fire_at=0)
+    tracker = _tracker(run_dir)
+    try:
+        with pytest.raises(RestartsExhaustedError, match=r"trainer.max_restarts=0"):
+            trainer.run(tracker, run_dir)
+    finally:
+        trainer.close()
+        tracker.close()
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_reward_policy_and_no_poisoned_checkpoint(ray_cluster, tmp_path, capsys, policy):
+    """Rewards are NaN on step 2. stop: exit code 3 with the message, checkpoint of step 1 only. skip: the
+    step is skipped (no update), the run goes on, steps 1 and 3 are checkpointed but not step 2."""
+    hook = _hook()
+    hook.update(nan_calls=range(ROWS_PER_STEP, ROWS_PER_STEP + 4))  # some of step 2's sampled responses
+    run_dir = tmp_path / policy
+    rc, err = _cli(["trainer.steps=3", "trainer.save_every=1", f"trainer.run_dir={run_dir}",
+                    f"trainer.on_nan={policy}", f"reward.fn={HOOK_REWARD}"], capsys)
+    saved = [step for step, _ in ckpt.CheckpointManager(run_dir).steps()]
+    records = _records(run_dir)
+    if policy == "stop":
+        assert rc == 3
+        assert "non-finite rewards or costs" in err and "trainer.on_nan=stop" in err
+        assert saved == [1] and [r["step"] for r in records] == [1]
+    else:
+        assert rc == 0
+        assert saved == [1, 3]
+        assert [r["step"] for r in records] == [1, 2, 3] and records[1] == {"step": 2, "skipped": 1.0}
+        assert all(math.isfinite(v) for r in (records[0], records[2]) for v in r.values())
+        assert ckpt.load_driver_state(run_dir / "ckpt" / "step_3")["loader"]["batch_in_epoch"] == 3
+
+
+def test_checkpoint_exports_to_hf_with_the_trained_actors_logits(reference_run, tmp_path):
+    """`hybridrl convert --from ckpt --to hf RUN/ckpt/step_6 OUT`: transformers loads OUT and its log-probs
+    of a rollout equal the live trained actor's; the tensors equal the live actor's own HF export."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.models.convert_cli import run as convert_run
+
+    out = tmp_path / "hf"
+    rc = convert_run(argparse.Namespace(source_format="ckpt", target_format="hf", tp=1, pp=1, dtype="auto",
+                                        src=str(reference_run["dir"] / "ckpt" / "step_6"), dst=str(out)))
+    assert rc == 0
+    exported = {}
+    for file in sorted(out.glob("*.safetensors")):
+        exported.update(load_file(file))
+    live = {}
+    for file in sorted((reference_run["dir"] / "live_hf").glob("*.safetensors")):
+        live.update(load_file(file))
+    assert exported.keys() == live.keys()
+    for name in live:
+        assert torch.equal(exported[name], live[name]), name
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    batch = reference_run["rollout"]
+    prompts, responses = batch["prompts"], batch["responses"]
+    mask = batch["response_mask"].bool()
+    width = prompts.shape[1]
+    expected = reference_run["log_probs"]
+    for row in range(len(batch)):
+        prompt = prompts[row][batch["attention_mask"][row, :width].bool()]
+        response = responses[row][mask[row]]
+        ids = torch.cat([prompt, response]).unsqueeze(0)
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        log_probs = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, response.unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(log_probs, expected[row][mask[row]], atol=2e-5, rtol=1e-5)
+
+
+def test_resume_option_errors_are_clear(tmp_path):
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="trainer.resume"):
+        ckpt.resolve_resume(str(tmp_path), tmp_path)
+    assert ckpt.resolve_resume("auto", tmp_path) is None and ckpt.resolve_resume("never", tmp_path) is None
+    rc, _ = _cli(["trainer.resume=auto", "trainer.steps=1"])
+    assert rc == 2  # resume=auto without trainer.run_dir: refused before any worker starts
