@@ -308,6 +308,28 @@ def test_checkpoint_exports_to_hf_with_the_trained_actors_logits(reference_run, 
         torch.testing.assert_close(log_probs, expected[row][mask[row]], atol=2e-5, rtol=1e-5)
 
 
+def test_ppo_critic_is_checkpointed_and_resumes_exactly(ray_cluster, tmp_path):
+    """PPO: the critic's weights, optimizer and scheduler are in the checkpoint too (critic/); a run resumed
+    from step 1 gives the uninterrupted run's step 2, actor and critic metrics alike."""
+    ppo = ["algorithm.name=ppo", "rollout.n=1", "critic.micro_batch_size=4", "trainer.save_every=1",
+           "trainer.steps=2", "critic.optim.lr=1e-3"]
+    runs = {}
+    for name, resume in (("full", None), ("resumed", "full")):
+        run_dir = tmp_path / name
+        trainer = _trainer(ppo + [f"trainer.run_dir={run_dir}"])
+        tracker = _tracker(run_dir)
+        try:
+            trainer.run(tracker, run_dir, resume and tmp_path / resume / "ckpt" / "step_1")
+        finally:
+            trainer.close()
+            tracker.close()
+        runs[name] = _records(run_dir)
+    assert (tmp_path / "full" / "ckpt" / "step_1" / "critic" / "optimizer" / "metadata.json").is_file()
+    assert [r["step"] for r in runs["resumed"]] == [2]
+    assert "critic/value_loss" in runs["resumed"][0]
+    _assert_same_metrics(runs["resumed"], runs["full"][1:])
+
+
 def test_resume_option_errors_are_clear(tmp_path):
     with pytest.raises(ckpt.CheckpointNotFoundError, match="trainer.resume"):
         ckpt.resolve_resume(str(tmp_path), tmp_path)
