@@ -336,3 +336,18 @@ def test_resume_option_errors_are_clear(tmp_path):
     assert ckpt.resolve_resume("auto", tmp_path) is None and ckpt.resolve_resume("never", tmp_path) is None
     rc, _ = _cli(["trainer.resume=auto", "trainer.steps=1"])
     assert rc == 2  # resume=auto without trainer.run_dir: refused before any worker starts
+
+
+def test_bad_checkpoint_convert_requests_are_refused(tmp_path, capsys):
+    from hybridrl.models.convert_cli import run as convert_run
+
+    def convert(src, target="hf") -> str:
+        args = argparse.Namespace(source_format="ckpt", target_format=target, tp=1, pp=1, dtype="auto", src=str(src),
+                                  dst=str(tmp_path / "out"))
+        assert convert_run(args) == 2
+        return capsys.readouterr().err
+
+    (tmp_path / "step_1").mkdir()
+    assert "no actor checkpoint there" in convert(tmp_path / "step_1")
+    assert "does not exist" in convert(tmp_path / "missing")
+    assert "--from ckpt --to hf" in convert(tmp_path / "step_1", target="mcore")
