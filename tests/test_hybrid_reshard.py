@@ -272,3 +272,36 @@ def test_reshard_eight_processes():
             _check_against_accounting(pool.run(_reshard_on_rank, train, gen), train, gen, _specs())
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("prefix", ["decoder.layers.", "model.layers."])
+def test_in_place_schedule_pairs_merged_stages(prefix):
+    """(2,2,1) -> (1,1): layer j of both merged stages is one all-gather over the 4 members (no padding);
+    only what one stage or one TP rank holds (embedding, output layer, norms) goes by broadcast."""
+    from hybridrl.hybrid_engine.inplace import InPlaceSchedule
+    from hybridrl.hybrid_engine.reshard import _Meta
+    from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    groups = GenerationGroups(ParallelLayout(tp=2, pp=2), GenerationLayout())
+    member_meta = []
+    for rank in groups.micro_dp_groups()[0]:
+        c = groups.train.coords(rank)
+        metas = []
+        for s in _specs():
+            if _stage(s, 2) != c.pp:
+                continue
+            shape = list(s.shape)
+            if s.partition_dim is not None:
+                shape[s.partition_dim] //= 2
+            metas.append(_Meta(s.name.replace("decoder.layers.", prefix), tuple(shape), s.partition_dim, s.regroup))
+        member_meta.append(((c.pp, c.tp, c.dp), metas))
+    ops = InPlaceSchedule(groups, member_meta, None, 1 << 20).ops
+    gathers = [op for op in ops if op.kind == "gather"]
+    broadcasts = [op for op in ops if op.kind == "broadcast"]
+    # 2 layer positions x (qkv, proj, fc1 gate, fc1 up, fc2); broadcasts: 2 embedding + 2 output shards,
+    # 2 x 2 layer norms + the final norm from their owners
+    assert len(gathers) == 10 and len(broadcasts) == 9
+    assert all(len(op.parts) == 4 for op in gathers)
+    assert {op.parts[0].src.split(".")[-2] for op in broadcasts} == {"word_embeddings", "input_layernorm",
+                                                                     "final_layernorm", "output_layer"}

@@ -14,7 +14,7 @@ import torch
 
 from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES
 
-_LAYER_NAME = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+_LAYER_NAME = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")  # Megatron decoder.layers.N, HF model.layers.N
 
 
 def numel_of(shape) -> int:
