@@ -4,6 +4,12 @@ Without CONFIG it runs the embedded default (configs/remax_tiny.yaml): ReMax on 
 training at TP=2 and generating at TP=1 on a local Ray cluster. The whole config is checked before Ray or
 any worker starts; the run folder (printed first) gets config.yaml, metrics.jsonl, TensorBoard events and
 curves.png.
+
+Checkpoints and recovery (trainer.*): save_every=K writes RUN/ckpt/step_N every K steps (keep_last kept;
+see trainer/checkpoint.py); resume=auto continues RUN (trainer.run_dir) from its latest complete checkpoint,
+resume=PATH from a given one (a step_N folder, a ckpt folder or a run folder); max_restarts=R recovers from R
+dead workers (roles torn down, restarted, latest checkpoint reloaded). Exit codes: 2 config / checkpoint
+error, 3 non-finite step with on_nan=stop, 4 workers died more than max_restarts times.
 """
 from __future__ import annotations
 
