@@ -27,7 +27,7 @@ from hybridrl.protocol import Batch
 logger = logging.getLogger(__name__)
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens")
-ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "max_model_len", "max_batch_size", "options")
+ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "bucket_mb", "max_model_len", "max_batch_size", "options")
 
 
 def _model_path(model: str | None) -> str:
@@ -134,7 +134,7 @@ class Actor(_Role):
     """The policy: trains in `parallel` (tp, pp; dp fills the pool), generates in `rollout` (tp) through the
     3D-HybridEngine.
 
-    rollout: engine (native | vllm), tp, reshard (hybrid | ds_chat | hybridflow_v), max_model_len, and the
+    rollout: engine (native | vllm), tp, reshard (hybrid | ds_chat | hybridflow_v), bucket_mb, max_model_len, and the
     default sampling (n, temperature, top_p, top_k, max_new_tokens). optim: lr, weight_decay, betas,
     clip_grad, warmup_steps, use_distributed_optimizer. loss: clip_ratio, entropy_coef, kl_loss_coef,
     kl_estimator (PolicyLossConfig).

@@ -66,7 +66,7 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 16
     reshard: str = "hybrid"  # hybrid | ds_chat | hybridflow_v
-    bucket_mb: float = 64.0
+    bucket_mb: float = 32.0  # most MiB one reshard collective outputs (bounds the transient scratch)
     max_model_len: Optional[int] = None  # None: data.max_prompt_length + max_new_tokens
     max_batch_size: int = 64  # rows decoded together per generation replica (native engine)
 

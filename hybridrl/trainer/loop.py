@@ -87,7 +87,8 @@ class RLTrainer:
             return self.pools[plan.roles[role].pool]
 
         a, r = cfg.actor, cfg.rollout
-        rollout = {"engine": r.engine, "tp": r.tp, "reshard": r.reshard, "max_model_len": plan.max_model_len,
+        rollout = {"engine": r.engine, "tp": r.tp, "reshard": r.reshard, "bucket_mb": r.bucket_mb,
+                   "max_model_len": plan.max_model_len,
                    "max_batch_size": r.max_batch_size, "n": r.n, "temperature": r.temperature, "top_p": r.top_p,
                    "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
         loss = {"clip_ratio": cfg.algorithm.clip_ratio, "entropy_coef": cfg.algorithm.entropy_coef,

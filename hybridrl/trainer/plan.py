@@ -118,6 +118,7 @@ def plan_run(cfg: Any) -> RunPlan:
     _check(roll.engine in ENGINES, f"rollout.engine={roll.engine!r}; choose one of {list(ENGINES)}")
     _check(roll.pp == 1, f"rollout.pp={roll.pp}: generation pipeline parallelism is not supported; set rollout.pp=1")
     _check(roll.reshard in STRATEGIES, f"rollout.reshard={roll.reshard!r}; choose one of {list(STRATEGIES)}")
+    _check(roll.bucket_mb > 0, f"rollout.bucket_mb={roll.bucket_mb} must be > 0 (MiB per reshard collective)")
     _check(tr.steps >= 1, f"trainer.steps={tr.steps} must be >= 1")
     _check(tr.on_nan in ("stop", "skip"), f"trainer.on_nan={tr.on_nan!r}; choose stop or skip")
     _check(data.batch_size >= 1, f"data.batch_size={data.batch_size} must be >= 1")

@@ -32,6 +32,7 @@ class RolloutSpec:
     engine: str = "native"
     tp: int = 1
     reshard: str = "hybrid"
+    bucket_mb: float = 32.0  # most MiB one reshard collective outputs
     max_model_len: int = 512
     max_batch_size: int = 64
     pad_token_id: int = 0
@@ -64,7 +65,8 @@ class ActorWorker(_LogProbMixin, Worker):
         self.model = MegatronModel(ModelSpec.from_dict(model), seed=seed)
         self.rollout_spec = RolloutSpec(**{**rollout, "stop_token_ids": tuple(rollout.get("stop_token_ids", ()))})
         self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout,
-                                   GenerationLayout(tp=self.rollout_spec.tp), strategy=self.rollout_spec.reshard)
+                                   GenerationLayout(tp=self.rollout_spec.tp), strategy=self.rollout_spec.reshard,
+                                   bucket_mb=self.rollout_spec.bucket_mb)
         self.engine = self._build_engine()
         self.engine.release()  # KV cache only while generating
 
