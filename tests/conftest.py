@@ -25,3 +25,23 @@ def dist_pool():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+def _local_ray(num_devices: int):
+    """A private local Ray cluster with `num_devices` fake GPUs for one test module (none left running)."""
+    from hybridrl.controller import init_local_ray, shutdown_ray
+
+    shutdown_ray()
+    init_local_ray(num_devices)
+    yield
+    shutdown_ray()
+
+
+@pytest.fixture(scope="module")
+def ray_two_devices():
+    yield from _local_ray(2)
+
+
+@pytest.fixture(scope="module")
+def ray_four_devices():
+    yield from _local_ray(4)

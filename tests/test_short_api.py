@@ -21,17 +21,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 PROMPTS = ["vowels: qzkt", "vowels: bcdf", "vowels: rkjm", "vowels: lfkp"] * 2
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from hybridrl.controller import init_local_ray, shutdown_ray
-
-    shutdown_ray()
-    init_local_ray(4)
-    yield
-    shutdown_ray()
-
-
-def test_readme_short_api_loop_runs(ray_cluster):
+def test_readme_short_api_loop_runs(ray_four_devices):
     match = re.search(r"<!-- short-api-begin -->\s*```python\n(.*?)```\s*<!-- short-api-end -->", README.read_text(),
                       re.S)
     assert match, "README.md lost its short-API block"
@@ -62,7 +52,7 @@ def _hf_policy_gradient(model_path: str, sequences, advantages: torch.Tensor) ->
     return {name: param.grad for name, param in model.named_parameters()}
 
 
-def test_actor_update_equals_pytorch_reference(ray_cluster, tmp_path):
+def test_actor_update_equals_pytorch_reference(ray_four_devices, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from hybridrl.models.tiny import default_model_dir
@@ -91,7 +81,7 @@ def test_actor_update_equals_pytorch_reference(ray_cluster, tmp_path):
     assert metrics["grad_norm"] == pytest.approx(total_norm, rel=1e-4)
 
 
-def test_device_list_and_separate_pools_with_different_layouts(ray_cluster):
+def test_device_list_and_separate_pools_with_different_layouts(ray_four_devices):
     actor_pool = hybridrl.ResourcePool(devices=["cuda:0", "cuda:1"], name="actor")
     ref_pool = hybridrl.ResourcePool(devices=2, name="ref")
     try:
@@ -111,7 +101,7 @@ def test_device_list_and_separate_pools_with_different_layouts(ray_cluster):
         ref_pool.shutdown()
 
 
-def test_reward_model_scores_equal_transformers(ray_cluster, tmp_path):
+def test_reward_model_scores_equal_transformers(ray_four_devices, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     from hybridrl.data.tokenizer import VOCAB_SIZE

