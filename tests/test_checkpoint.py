@@ -71,10 +71,11 @@ def ray_cluster():
 
 def _trainer(overrides: list[str]):
     from hybridrl.config import load_config
+    from hybridrl.trainer.cli import DEFAULT_CONFIG
     from hybridrl.trainer.loop import RLTrainer
     from hybridrl.trainer.plan import plan_run
 
-    cfg = load_config(None, COMMON + overrides)
+    cfg = load_config(DEFAULT_CONFIG, COMMON + overrides)  # what `hybridrl train` runs (_cli), made small
     return RLTrainer(cfg, plan_run(cfg))
 
 
