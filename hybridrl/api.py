@@ -428,8 +428,11 @@ def _max_timing(results: list) -> dict[str, float]:
 
 
 def _average(results: list[dict]) -> dict[str, float]:
-    """Per-DP-rank metric dicts -> their mean (each rank already averaged its micro-batches)."""
-    results = [r for r in results if r]
+    """Per-DP-rank metric dicts -> one dict: per-token metrics weighted by each rank's token count, so they
+    read the same at any DP size (rank-identical values such as grad_norm are unchanged)."""
+    results = [dict(r) for r in results if r]
     if not results:
         return {}
-    return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+    weights = [float(r.pop("tokens", 1.0)) for r in results]
+    total = sum(weights) or 1.0
+    return {k: sum(w * r[k] for w, r in zip(weights, results)) / total for k in results[0]}

@@ -230,7 +230,8 @@ class MegatronModel:
         if self.scheduler is not None and ok:
             self.scheduler.step(increment=1)
         self.steps += 1
-        result: dict[str, float] = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        result: dict[str, float] = {"tokens": local_tokens,  # lets the driver weight DP ranks' metrics
+                                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                                     "update_ok": float(bool(ok)), "lr": float(self.optimizer.param_groups[0]["lr"])}
         if self.is_last_stage and outputs:
             weights = torch.stack([o["_tokens"] for o in outputs])
