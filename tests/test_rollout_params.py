@@ -139,5 +139,6 @@ def test_sampling_params_from_config():
 
 def test_vllm_generation_tp_above_one_is_refused_before_start():
     pytest.importorskip("vllm")
-    with pytest.raises(RuntimeError, match="rollout.tp=2 .*rollout.engine=native"):
+    # without the hybrid engine's generation TP groups (and, outside workers, a process group) TP=2 is refused
+    with pytest.raises(ValueError, match="rollout.tp=2 with rollout.engine=vllm"):
         build_rollout_engine({"engine": "vllm", "tp": 2}, model_path="/nonexistent")

