@@ -1,6 +1,7 @@
 import torch
 
-from hybridrl.workers.sequences import gather_response, last_token_index, next_tokens, pack, response_positions
+from hybridrl.workers.policy import response_index, response_mask
+from hybridrl.workers.sequences import pack
 
 
 def _example():
@@ -19,18 +20,22 @@ def test_pack_concatenates_real_tokens_right_padded():
     assert packed.prompt_lengths.tolist() == [2, 3]
 
 
-def test_response_positions_point_at_the_predicting_position():
+def test_response_index_points_at_the_predicting_position():
     packed = _example()
+    mb = {"input_ids": packed.input_ids, "prompt_lengths": packed.prompt_lengths,
+          "response_mask": torch.tensor([[1, 1], [1, 0]]), "row_valid": torch.tensor([1.0, 0.0])}
     # row 0 response token 7 sits at position 2, predicted by position 1; row 1 token 4 by position 2
-    assert response_positions(packed).tolist() == [[1, 2], [2, 3]]
-    labels = next_tokens(packed)
-    picked = gather_response(labels, packed)
+    index = response_index(mb, packed.input_ids.shape[1])
+    assert index.tolist() == [[1, 2], [2, 3]]
+    labels = torch.roll(packed.input_ids, shifts=-1, dims=1)
+    picked = torch.gather(labels, 1, index)
     assert picked[0].tolist() == [7, 8] and picked[1, 0].item() == 4
+    assert response_mask(mb).tolist() == [[1.0, 1.0], [0.0, 0.0]]  # filler rows (row_valid 0) masked out
 
 
-def test_last_token_index_and_multiple_of():
+def test_pack_rounds_width_to_a_multiple():
     prompts = torch.tensor([[0, 5]])
     packed = pack(prompts, torch.tensor([[0, 1]]), torch.tensor([[9, 0, 0]]), torch.tensor([[1, 0, 0]]),
                   multiple_of=4)
     assert packed.input_ids.tolist() == [[5, 9, 0, 0]]
-    assert last_token_index(packed).tolist() == [1]
+    assert packed.lengths.tolist() == [2]

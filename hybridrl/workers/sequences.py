@@ -2,7 +2,8 @@
 
 Rollouts come back as left-padded prompts [B, P] and right-padded responses [B, R]. Models are run on
 "packed" rows instead: each row is prompt + response with no gap, right-padded, positions 0..L-1, so a
-plain causal mask is exact (padding only ever follows real tokens). These helpers convert both ways.
+plain causal mask is exact (padding only ever follows real tokens). Response token i of a row is predicted at
+position prompt_length - 1 + i (workers/policy.py reads the model's outputs there).
 """
 from __future__ import annotations
 
@@ -38,27 +39,3 @@ def pack(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tens
         out[row, : p.numel()] = p
         out[row, p.numel(): p.numel() + r.numel()] = r
     return PackedSequences(out, lengths, prompt_lengths, responses.shape[1])
-
-
-def response_positions(packed: PackedSequences) -> torch.Tensor:
-    """Index [B, R] of the position whose output predicts response token i (prompt_len - 1 + i), clamped."""
-    offsets = torch.arange(packed.response_width).unsqueeze(0)
-    positions = packed.prompt_lengths.unsqueeze(1) - 1 + offsets
-    return positions.clamp(0, packed.input_ids.shape[1] - 1)
-
-
-def next_tokens(packed: PackedSequences) -> torch.Tensor:
-    """Labels for every position: the token that follows it (the last column repeats padding)."""
-    labels = torch.roll(packed.input_ids, shifts=-1, dims=1)
-    labels[:, -1] = packed.input_ids[:, -1]
-    return labels
-
-
-def gather_response(per_position: torch.Tensor, packed: PackedSequences) -> torch.Tensor:
-    """Pick the [B, R] entries of a [B, L] per-position tensor that belong to the response tokens."""
-    return torch.gather(per_position, 1, response_positions(packed).to(per_position.device))
-
-
-def last_token_index(packed: PackedSequences) -> torch.Tensor:
-    """[B] position of each row's last real token (where reward models read their score)."""
-    return (packed.lengths - 1).clamp(min=0)
