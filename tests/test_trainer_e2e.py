@@ -20,7 +20,8 @@ PP2 = ["actor.parallel.tp=1", "actor.parallel.pp=2", "rollout.tp=1"]
 CASES = {
     "remax": TP2 + ["rollout.n=1"],
     "ppo": PP2 + ["rollout.n=1", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=2"],
-    "grpo": TP2 + ["rollout.n=2", "algorithm.kl.mode=loss", "algorithm.kl.estimator=k3"],
+    "grpo": TP2 + ["rollout.n=2", "algorithm.kl.mode=loss", "algorithm.kl.estimator=k3",
+                   "actor.parallel.sequence_parallel=true"],  # SP: packed widths rounded to a multiple of TP
     "rloo": PP2 + ["rollout.n=2"],
     "reinforce_pp": TP2 + ["rollout.n=1", "algorithm.kl.type=adaptive"],
     "safe_rlhf": TP2 + ["rollout.n=1"],  # + a cost model (tiny sequence classifier), see the test

@@ -53,7 +53,10 @@ class HybridEngine:
         self.groups = GenerationGroups(layout, gen_layout)
         self.rank = dist.get_rank()
         self.train_model = train_model
-        self.identity = self.groups.micro_dp_size == 1 and gen_layout.pp == layout.pp == 1
+        # sequence parallelism splits activations along the sequence: decoding one token at a time cannot use
+        # it, so a sequence-parallel training model always gets a separate generation model
+        self.identity = (self.groups.micro_dp_size == 1 and gen_layout.pp == layout.pp == 1
+                         and not layout.sequence_parallel)
         self.last_stats = ReshardStats()
         self.in_generation = False
         if self.identity:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
-from hybridrl.workers.megatron_model import MegatronModel, ModelSpec
+from hybridrl.workers.megatron_model import MegatronModel, model_spec
 from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class ActorWorker(_LogProbMixin, Worker):
         from hybridrl.hybrid_engine.engine import HybridEngine
         from hybridrl.parallel.generation import GenerationLayout
 
-        self.model = MegatronModel(ModelSpec.from_dict(model), seed=seed)
+        self.model = MegatronModel(model_spec(model, self.layout), seed=seed)
         self.rollout_spec = RolloutSpec(**{**rollout, "stop_token_ids": tuple(rollout.get("stop_token_ids", ()))})
         self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout,
                                    GenerationLayout(tp=self.rollout_spec.tp), strategy=self.rollout_spec.reshard,
@@ -181,17 +181,12 @@ class ActorWorker(_LogProbMixin, Worker):
         """Resume from save_checkpoint's folder, at this worker group's layout (any TP/PP)."""
         self.model.load_checkpoint(ckpt_dir, load_optimizer)
 
-    @register(Dispatch.ONE_TO_ALL)
-    def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "gen_dp_rank": self.hybrid.gen_dp_rank, "gen_dp_size": self.hybrid.gen_dp_size,
-                "identity_transition": self.hybrid.identity, "rollout": asdict(self.rollout_spec)}
-
 
 class ReferenceWorker(_LogProbMixin, Worker):
     """The frozen reference policy: log-probs of the responses under the initial weights."""
 
     def __init__(self, model: dict, seed: int = 1) -> None:
-        self.model = MegatronModel(ModelSpec.from_dict({**model, "optim": None}), seed=seed)
+        self.model = MegatronModel(model_spec(model, self.layout, optim=None), seed=seed)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_ref_log_probs(self, data: Batch) -> Batch:

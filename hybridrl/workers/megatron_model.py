@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -49,7 +49,6 @@ class ModelSpec:
     micro_batch_size: int = 8
     optim: OptimSpec | None = None  # None: frozen (reference, reward model)
     sequence_parallel: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
@@ -60,11 +59,17 @@ class ModelSpec:
         return cls(optim=optim, **spec)
 
 
-def rollout_rows(data: Batch) -> PackedSequences:
-    """Pack a rollout Batch (prompts / responses / attention_mask / response_mask) into causal rows."""
+def model_spec(model: dict[str, Any], layout: Any, **fixed: Any) -> ModelSpec:
+    """A role's ModelSpec from its config dict, the role's fixed choices (head, optim=None) and its layout."""
+    return ModelSpec.from_dict({**model, **fixed, "sequence_parallel": layout.sequence_parallel})
+
+
+def rollout_rows(data: Batch, multiple_of: int = 1) -> PackedSequences:
+    """Pack a rollout Batch (prompts / responses / attention_mask / response_mask) into causal rows whose
+    width is a multiple of `multiple_of` (sequence parallelism splits the sequence over TP ranks)."""
     prompt_width = data["prompts"].shape[1]
     return pack(data["prompts"], data["attention_mask"][:, :prompt_width], data["responses"],
-                data["response_mask"])
+                data["response_mask"], multiple_of=multiple_of)
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -173,7 +178,7 @@ class MegatronModel:
                 extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Forward only: `per_micro_batch(mb, output) -> [b, ...]` on the last stage; returns the rows'
         results concatenated (filler rows dropped) on the last stage, None on earlier stages."""
-        packed = rollout_rows(data)
+        packed = rollout_rows(data, self.tp if self.spec.sequence_parallel else 1)
         micro_batches, size = self._micro_batches(packed, extra or {})
 
         def loss_fn(mb, output):
@@ -203,7 +208,7 @@ class MegatronModel:
 
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model (built without optim)")
-        packed = rollout_rows(data)
+        packed = rollout_rows(data, self.tp if self.spec.sequence_parallel else 1)
         micro_batches, size = self._micro_batches(packed, extra)
         local_tokens = sum(float((mb["response_mask"] * mb["row_valid"].unsqueeze(1)).sum()) for mb in micro_batches)
         tokens = torch.tensor([local_tokens], dtype=torch.float64, device=micro_batches[0]["input_ids"].device)

@@ -13,7 +13,7 @@ import torch
 from hybridrl.algorithms.losses import masked_mean, value_loss
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
-from hybridrl.workers.megatron_model import MegatronModel, ModelSpec
+from hybridrl.workers.megatron_model import MegatronModel, model_spec
 from hybridrl.workers.policy import response_index, response_mask
 
 
@@ -26,7 +26,7 @@ class CriticWorker(Worker):
     """Value model V(s) trained with the clipped value loss (PPO, Safe-RLHF's reward and cost critics)."""
 
     def __init__(self, model: dict, seed: int = 1) -> None:
-        self.model = MegatronModel(ModelSpec.from_dict({**model, "head": "scalar"}), seed=seed)
+        self.model = MegatronModel(model_spec(model, self.layout, head="scalar"), seed=seed)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, data: Batch) -> Batch | None:
@@ -73,7 +73,7 @@ class RewardModelWorker(Worker):
     """A frozen scalar model scoring whole sequences (reward model, or Safe-RLHF's cost model)."""
 
     def __init__(self, model: dict, seed: int = 1) -> None:
-        self.model = MegatronModel(ModelSpec.from_dict({**model, "head": "scalar", "optim": None}), seed=seed)
+        self.model = MegatronModel(model_spec(model, self.layout, head="scalar", optim=None), seed=seed)
 
     @register(Dispatch.DP_COMPUTE)
     def score(self, data: Batch) -> Batch | None:
