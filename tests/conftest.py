@@ -45,3 +45,22 @@ def ray_two_devices():
 @pytest.fixture(scope="module")
 def ray_four_devices():
     yield from _local_ray(4)
+
+
+@pytest.fixture(scope="module")
+def llama_8_heads(tmp_path_factory):
+    """A tiny HF Llama (4 layers, 8 heads, 4 KV heads) whose heads and layers split over TP/PP up to 4 and 8."""
+    from hybridrl.models.tiny import create_tiny_model
+
+    return create_tiny_model(tmp_path_factory.mktemp("llama8") / "llama", "llama", layers=4, heads=8, kv_heads=4)
+
+
+@pytest.fixture(scope="module")
+def llama_8_heads_logits(llama_8_heads):
+    """(input_ids [2, 12], transformers' logits of llama_8_heads on them)."""
+    import torch
+
+    from hybridrl.models.reference import hf_reference
+
+    input_ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    return input_ids, hf_reference(llama_8_heads, input_ids).logits

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-SEQ, BATCH = 12, 2
 # (t, p, d) -> (t_g, p_g); p_g = 1: the rollout engines generate with single-stage models
 LAYOUTS = [((4, 1, 1), (2, 1)), ((2, 2, 1), (1, 1)), ((2, 2, 1), (2, 1)), ((1, 2, 2), (1, 1))]
 
@@ -27,22 +26,30 @@ def _gather_logits(model, input_ids, tp_group, tp: int, vocab: int):
     return torch.cat(parts, dim=-1)[..., :vocab]
 
 
+def _training_model(model_dir, train_tpd):
+    """Megatron parallel state for (t, p, d) and this rank's training shard loaded from the HF folder."""
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+
+    t, p, d = train_tpd
+    layout = ParallelLayout(tp=t, pp=p, dp=d)
+    initialize_model_parallel(layout)
+    hf_config = load_hf_config(model_dir)
+    model = build_gpt_model(hf_config)
+    load_hf_weights(model, model_dir, hf_config)
+    return layout, hf_config, model
+
+
 def _engine_round_trip(model_dir, train_tpd, gen_tp_pp, input_ids, strategy, bucket_mb):
     import torch
     import torch.distributed as dist
 
     from hybridrl.hybrid_engine.engine import HybridEngine
-    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
-    from hybridrl.parallel.distributed import initialize_model_parallel
     from hybridrl.parallel.generation import GenerationLayout
-    from hybridrl.parallel.layout import ParallelLayout
 
-    (t, p, d), (tg, pg) = train_tpd, gen_tp_pp
-    layout = ParallelLayout(tp=t, pp=p, dp=d)
-    initialize_model_parallel(layout)
-    hf_config = load_hf_config(model_dir)
-    train_model = build_gpt_model(hf_config)
-    load_hf_weights(train_model, model_dir, hf_config)
+    tg, pg = gen_tp_pp
+    layout, hf_config, train_model = _training_model(model_dir, train_tpd)
     params = dict(train_model.named_parameters())
     before = {n: prm.detach().clone() for n, prm in params.items()}
     engine = HybridEngine(train_model, hf_config, layout, GenerationLayout(tp=tg, pp=pg), strategy=strategy,
@@ -66,36 +73,19 @@ def _engine_round_trip(model_dir, train_tpd, gen_tp_pp, input_ids, strategy, buc
     return results
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    from hybridrl.models.tiny import create_tiny_model
-
-    return create_tiny_model(tmp_path_factory.mktemp("engine") / "llama", "llama", layers=4, heads=8, kv_heads=4)
-
-
-@pytest.fixture(scope="module")
-def hf_logits(tiny_llama):
-    import torch
-
-    from hybridrl.models.reference import hf_reference
-
-    input_ids = torch.randint(3, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    return input_ids, hf_reference(tiny_llama, input_ids).logits
-
-
 @pytest.mark.parametrize("train,gen", LAYOUTS, ids=[f"{a}->{b}" for a, b in LAYOUTS])
-def test_engine_in_place_round_trip(dist_pool, tiny_llama, hf_logits, train, gen):
+def test_engine_in_place_round_trip(dist_pool, llama_8_heads, llama_8_heads_logits, train, gen):
     from hybridrl.hybrid_engine.accounting import account
     from hybridrl.hybrid_engine.model_shapes import model_shapes
     from hybridrl.hybrid_engine.plan import HybridEnginePlan
     from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
     from hybridrl.parallel.layout import ParallelLayout
 
-    input_ids, reference = hf_logits
+    input_ids, reference = llama_8_heads_logits
     bucket_mb = 1 / 1024  # 1 KiB: many pieces per tensor, the scratch stays within it
-    results = dist_pool(4).run(_engine_round_trip, str(tiny_llama), train, gen, input_ids, "hybrid", bucket_mb)
+    results = dist_pool(4).run(_engine_round_trip, str(llama_8_heads), train, gen, input_ids, "hybrid", bucket_mb)
     layout, genl = ParallelLayout(tp=train[0], pp=train[1], dp=train[2]), GenerationLayout(tp=gen[0], pp=gen[1])
-    plan = HybridEnginePlan(layout, genl, model_shapes(str(tiny_llama)), dtype_bytes=4)
+    plan = HybridEnginePlan(layout, genl, model_shapes(str(llama_8_heads)), dtype_bytes=4)
     costs = account(plan, "hybrid").ranks
     groups = GenerationGroups(layout, genl)
     for rank, res in enumerate(results):
@@ -120,16 +110,9 @@ def _ddp_step_between_generations(model_dir, input_ids):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from hybridrl.hybrid_engine.engine import HybridEngine
-    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
-    from hybridrl.parallel.distributed import initialize_model_parallel
     from hybridrl.parallel.generation import GenerationLayout
-    from hybridrl.parallel.layout import ParallelLayout
 
-    layout = ParallelLayout(tp=2, pp=1, dp=2)
-    initialize_model_parallel(layout)
-    hf_config = load_hf_config(model_dir)
-    inner = build_gpt_model(hf_config)
-    load_hf_weights(inner, model_dir, hf_config)
+    layout, hf_config, inner = _training_model(model_dir, (2, 1, 2))
     ddp = DistributedDataParallel(inner.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
                                   inner)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01,
@@ -157,16 +140,16 @@ def _ddp_step_between_generations(model_dir, input_ids):
     return out
 
 
-def test_engine_under_ddp_and_distributed_optimizer(dist_pool, tiny_llama, hf_logits):
-    input_ids, _ = hf_logits
-    for rank, out in enumerate(dist_pool(4).run(_ddp_step_between_generations, str(tiny_llama), input_ids)):
+def test_engine_under_ddp_and_distributed_optimizer(dist_pool, llama_8_heads, llama_8_heads_logits):
+    input_ids, _ = llama_8_heads_logits
+    for rank, out in enumerate(dist_pool(4).run(_ddp_step_between_generations, str(llama_8_heads), input_ids)):
         for step in (0, 1):
             assert out[step]["freed"] and out[step]["bit_identical"], (rank, step)
             assert out[step]["diff"] <= 1e-5, (rank, step, out[step]["diff"])
         assert (out[1]["logits"] - out[0]["logits"]).abs().max().item() > 1e-3  # the step reached generation
 
 
-def test_engine_refuses_bad_bucket(tiny_llama):
+def test_engine_refuses_bad_bucket(llama_8_heads):
     """Refused before any collective or model build, naming the option."""
     from hybridrl.hybrid_engine.engine import HybridEngine
     from hybridrl.models import load_hf_config
@@ -174,7 +157,7 @@ def test_engine_refuses_bad_bucket(tiny_llama):
     from hybridrl.parallel.layout import ParallelLayout
 
     with pytest.raises(ValueError, match="bucket_mb"):
-        HybridEngine(None, load_hf_config(str(tiny_llama)), ParallelLayout(tp=4), GenerationLayout(tp=2), bucket_mb=0)
+        HybridEngine(None, load_hf_config(str(llama_8_heads)), ParallelLayout(tp=4), GenerationLayout(tp=2), bucket_mb=0)
 
 
 PP_LAYOUTS = [((2, 2, 1), (1, 2)), ((1, 4, 1), (1, 2))]
@@ -187,17 +170,10 @@ def _pipelined_generation_logits(model_dir, train_tpd, gen_tp_pp, input_ids):
     import torch.distributed as dist
 
     from hybridrl.hybrid_engine.engine import HybridEngine
-    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
-    from hybridrl.parallel.distributed import initialize_model_parallel
     from hybridrl.parallel.generation import GenerationLayout
-    from hybridrl.parallel.layout import ParallelLayout
 
-    (t, p, d), (tg, pg) = train_tpd, gen_tp_pp
-    layout = ParallelLayout(tp=t, pp=p, dp=d)
-    initialize_model_parallel(layout)
-    hf_config = load_hf_config(model_dir)
-    train_model = build_gpt_model(hf_config)
-    load_hf_weights(train_model, model_dir, hf_config)
+    tg, pg = gen_tp_pp
+    layout, hf_config, train_model = _training_model(model_dir, train_tpd)
     before = {n: prm.detach().clone() for n, prm in train_model.named_parameters()}
     engine = HybridEngine(train_model, hf_config, layout, GenerationLayout(tp=tg, pp=pg), bucket_mb=1 / 256)
     gen_model = engine.to_generation()
@@ -224,17 +200,17 @@ def _pipelined_generation_logits(model_dir, train_tpd, gen_tp_pp, input_ids):
 
 
 @pytest.mark.parametrize("train,gen", PP_LAYOUTS, ids=[f"{a}->{b}" for a, b in PP_LAYOUTS])
-def test_generation_model_with_two_stages(dist_pool, tiny_llama, hf_logits, train, gen):
+def test_generation_model_with_two_stages(dist_pool, llama_8_heads, llama_8_heads_logits, train, gen):
     from hybridrl.hybrid_engine.accounting import account
     from hybridrl.hybrid_engine.model_shapes import model_shapes
     from hybridrl.hybrid_engine.plan import HybridEnginePlan
     from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
     from hybridrl.parallel.layout import ParallelLayout
 
-    input_ids, reference = hf_logits
-    results = dist_pool(4).run(_pipelined_generation_logits, str(tiny_llama), train, gen, input_ids)
+    input_ids, reference = llama_8_heads_logits
+    results = dist_pool(4).run(_pipelined_generation_logits, str(llama_8_heads), train, gen, input_ids)
     layout, genl = ParallelLayout(tp=train[0], pp=train[1], dp=train[2]), GenerationLayout(tp=gen[0], pp=gen[1])
-    plan = HybridEnginePlan(layout, genl, model_shapes(str(tiny_llama)), dtype_bytes=4)
+    plan = HybridEnginePlan(layout, genl, model_shapes(str(llama_8_heads)), dtype_bytes=4)
     costs, groups = account(plan, "hybrid").ranks, GenerationGroups(layout, genl)
     for rank, res in enumerate(results):
         shard = groups.gen_shard(rank)

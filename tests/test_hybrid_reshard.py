@@ -216,37 +216,20 @@ def _generation_logits_on_rank(model_dir, train_tpd, gen_tp_pp, input_ids):
             local_numel)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    from hybridrl.models.tiny import create_tiny_model
-
-    return create_tiny_model(tmp_path_factory.mktemp("reshard") / "llama", "llama", layers=4, heads=8, kv_heads=4)
-
-
-@pytest.fixture(scope="module")
-def hf_logits(tiny_llama):
-    import torch
-
-    from hybridrl.models.reference import hf_reference
-
-    input_ids = torch.randint(3, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    return input_ids, hf_reference(tiny_llama, input_ids).logits
-
-
 @pytest.mark.parametrize("train,gen", E2E_LAYOUTS, ids=[f"{a}->{b}" for a, b in E2E_LAYOUTS])
-def test_generation_model_from_reshard_matches_hf(dist_pool, tiny_llama, hf_logits, train, gen):
-    input_ids, reference = hf_logits
+def test_generation_model_from_reshard_matches_hf(dist_pool, llama_8_heads, llama_8_heads_logits, train, gen):
+    input_ids, reference = llama_8_heads_logits
     from hybridrl.hybrid_engine.accounting import account
     from hybridrl.hybrid_engine.model_shapes import model_shapes
     from hybridrl.hybrid_engine.plan import HybridEnginePlan
     from hybridrl.parallel.generation import GenerationLayout
     from hybridrl.parallel.layout import ParallelLayout
 
-    input_ids, reference = hf_logits
-    results = dist_pool(4).run(_generation_logits_on_rank, str(tiny_llama), train, gen, input_ids)
+    input_ids, reference = llama_8_heads_logits
+    results = dist_pool(4).run(_generation_logits_on_rank, str(llama_8_heads), train, gen, input_ids)
     # the plan's shapes (HF model on meta + rule table) against the real Megatron shards and bytes moved
     plan = HybridEnginePlan(ParallelLayout(tp=train[0], pp=train[1], dp=train[2]),
-                            GenerationLayout(tp=gen[0], pp=gen[1]), model_shapes(str(tiny_llama)), dtype_bytes=4)
+                            GenerationLayout(tp=gen[0], pp=gen[1]), model_shapes(str(llama_8_heads)), dtype_bytes=4)
     costs = account(plan, "hybrid").ranks
     for rank, (logits, unused, recv, local_numel) in enumerate(results):
         assert unused == [], rank

@@ -19,7 +19,7 @@ import torch
 
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
-from hybridrl.workers.megatron_model import MegatronModel, model_spec
+from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel, model_spec
 from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class _LogProbMixin:
         return Batch({key: values * data["response_mask"]})
 
 
-class ActorWorker(_LogProbMixin, Worker):
+class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     """Policy training (Megatron DDP + optimizer) and generation (HybridEngine + rollout engine)."""
 
     def __init__(self, model: dict, rollout: dict, seed: int = 1) -> None:
@@ -156,13 +156,7 @@ class ActorWorker(_LogProbMixin, Worker):
         def loss_terms(mb, logits):
             return actor_loss_terms(mb, logits, model.vocab_size, tp_group, cfg)
 
-        if len(data) < mini_batches:  # every DP rank must take the same number of optimizer steps
-            raise ValueError(f"actor.update: {len(data)} rows on this DP rank cannot make {mini_batches} mini-batches")
-        history: list[dict[str, float]] = []
-        for _ in range(epochs):
-            for part in data.chunk(mini_batches):
-                history.append(model.train_step(part, loss_terms, {k: part[k] for k in keys}))
-        return _mean_metrics(history)
+        return model.train_epochs(data, loss_terms, keys, mini_batches, epochs, role="actor.update")
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:
@@ -170,16 +164,6 @@ class ActorWorker(_LogProbMixin, Worker):
         from hybridrl.models.checkpoint_hf import export_hf_checkpoint
 
         export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, out_dir: str) -> None:
-        """Policy weights, optimizer, scheduler and RNG states under out_dir (collective, see MegatronModel)."""
-        self.model.save_checkpoint(out_dir)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
-        """Resume from save_checkpoint's folder, at this worker group's layout (any TP/PP)."""
-        self.model.load_checkpoint(ckpt_dir, load_optimizer)
 
 
 class ReferenceWorker(_LogProbMixin, Worker):
@@ -192,8 +176,3 @@ class ReferenceWorker(_LogProbMixin, Worker):
     def compute_ref_log_probs(self, data: Batch) -> Batch:
         return self._log_probs(data, "ref_log_probs")
 
-
-def _mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
-    if not history:
-        return {}
-    return {k: sum(h[k] for h in history if k in h) / sum(1 for h in history if k in h) for k in history[0]}

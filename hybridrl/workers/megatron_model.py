@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from hybridrl.controller.dispatch import Dispatch, register
 from hybridrl.protocol import Batch
 from hybridrl.workers.sequences import PackedSequences, pack
 
@@ -195,6 +196,16 @@ class MegatronModel:
             return None
         return torch.cat([o["out"].cpu() for o in outputs])[:packed.batch_size]
 
+    def train_epochs(self, data: Batch, loss_terms: Callable, keys: list[str], mini_batches: int = 1,
+                     epochs: int = 1, role: str = "update") -> dict[str, float]:
+        """`epochs` passes over `data` (this DP rank's share), each cut into `mini_batches` train_steps; the
+        per-step metrics averaged. Every DP rank must take the same number of optimizer steps."""
+        if len(data) < mini_batches:
+            raise ValueError(f"{role}: {len(data)} rows on this DP rank cannot make {mini_batches} mini-batches")
+        history = [self.train_step(part, loss_terms, {k: part[k] for k in keys})
+                   for _ in range(epochs) for part in data.chunk(mini_batches)]
+        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+
     def train_step(self, data: Batch, loss_terms: Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]],
                    extra: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step over `data` (this DP rank's share of a mini-batch).
@@ -358,3 +369,19 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(states["cuda"])
     if states.get("tracker"):
         get_cuda_rng_tracker().set_states(dict(states["tracker"]))
+
+
+class CheckpointedRole:
+    """Worker mixin of trained roles (actor, critics): their MegatronModel's checkpoint as group calls."""
+
+    model: MegatronModel
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Weights, optimizer, scheduler and RNG states under out_dir (collective, see MegatronModel)."""
+        self.model.save_checkpoint(out_dir)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
+        """Resume from save_checkpoint's folder, at this worker group's layout (any TP/PP)."""
+        self.model.load_checkpoint(ckpt_dir, load_optimizer)

@@ -13,7 +13,7 @@ import torch
 from hybridrl.algorithms.losses import masked_mean, value_loss
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
-from hybridrl.workers.megatron_model import MegatronModel, model_spec
+from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel, model_spec
 from hybridrl.workers.policy import response_index, response_mask
 
 
@@ -22,7 +22,7 @@ def _response_values(mb: dict, output: torch.Tensor) -> torch.Tensor:
     return torch.gather(output.squeeze(-1).float(), 1, response_index(mb, output.shape[1]))
 
 
-class CriticWorker(Worker):
+class CriticWorker(CheckpointedRole, Worker):
     """Value model V(s) trained with the clipped value loss (PPO, Safe-RLHF's reward and cost critics)."""
 
     def __init__(self, model: dict, seed: int = 1) -> None:
@@ -40,8 +40,6 @@ class CriticWorker(Worker):
         for key in ("returns", "values", "response_mask"):
             if key not in data:
                 raise KeyError(f"critic.update needs {key!r} in the batch")
-        if len(data) < mini_batches:
-            raise ValueError(f"critic.update: {len(data)} rows on this DP rank cannot make {mini_batches} mini-batches")
 
         def loss_terms(mb, output):
             mask = response_mask(mb)
@@ -51,22 +49,8 @@ class CriticWorker(Worker):
             return loss * count, count, {"critic/value_loss": loss.detach(), "critic/vf_clipfrac": stats["vf_clipfrac"],
                                          "critic/values_mean": masked_mean(values.detach(), mask)}
 
-        history = []
-        for _ in range(epochs):
-            for part in data.chunk(mini_batches):
-                extra = {k: part[k] for k in ("response_mask", "returns", "values")}
-                history.append(self.model.train_step(part, loss_terms, extra))
-        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
-
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, out_dir: str) -> None:
-        """Value-model weights, optimizer, scheduler and RNG states under out_dir (collective)."""
-        self.model.save_checkpoint(out_dir)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
-        self.model.load_checkpoint(ckpt_dir, load_optimizer)
+        return self.model.train_epochs(data, loss_terms, ["response_mask", "returns", "values"], mini_batches,
+                                       epochs, role="critic.update")
 
 
 class RewardModelWorker(Worker):
