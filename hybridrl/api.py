@@ -26,7 +26,7 @@ from hybridrl.protocol import Batch
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens")
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "ignore_eos")
 ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "bucket_mb", "max_model_len", "max_batch_size", "options")
 
 

@@ -65,6 +65,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 16
+    ignore_eos: bool = False  # generate exactly max_new_tokens (no stop at EOS): fixed-length benchmarks
     reshard: str = "hybrid"  # hybrid | ds_chat | hybridflow_v
     bucket_mb: float = 32.0  # most MiB one reshard collective outputs (bounds the transient scratch)
     max_model_len: Optional[int] = None  # None: data.max_prompt_length + max_new_tokens

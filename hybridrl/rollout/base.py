@@ -12,7 +12,8 @@ the n samples of prompt 0 first, matching `Batch.repeat_interleave(n)`):
   non-tensor "finish_reasons": "stop" | "length"; meta {"sampling": params as a dict}.
 
 Generation stops only at `SamplingParams.stop_token_ids` (callers add the tokenizer's EOS there):
-both engines ignore the model's own EOS so that they behave identically.
+both engines ignore the model's own EOS so that they behave identically. `ignore_eos=True` disables the
+stop tokens too, so every response has exactly max_new_tokens tokens (fixed-length benchmarks).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class SamplingParams:
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # generate exactly max_new_tokens: stop tokens are not honoured (benchmarks)
 
     def __post_init__(self) -> None:
         # Normalise lists (from YAML/OmegaConf) to a hashable tuple.
@@ -70,6 +72,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0.0
+
+    @property
+    def effective_stop_token_ids(self) -> tuple[int, ...]:
+        """The token ids that end a response (none with ignore_eos)."""
+        return () if self.ignore_eos else self.stop_token_ids
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -115,7 +122,7 @@ class GeneratedSequence:
 
 
 def finish_reason(tokens: Sequence[int], params: SamplingParams) -> str:
-    return "stop" if tokens and tokens[-1] in params.stop_token_ids else "length"
+    return "stop" if tokens and tokens[-1] in params.effective_stop_token_ids else "length"
 
 
 def assemble_batch(sequences: list[GeneratedSequence], params: SamplingParams, pad_token_id: int) -> Any:

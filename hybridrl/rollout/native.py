@@ -158,7 +158,7 @@ class NativeRolloutEngine(RolloutEngine):
             is_real[i, prompt_len - len(ids):prompt_len] = True
         positions = (is_real.long().cumsum(dim=1) - 1).clamp(min=0)
         causal = torch.ones((total_len, total_len), dtype=torch.bool, device=dev).tril()
-        stop_ids = torch.tensor(list(params.stop_token_ids) or [-1], dtype=torch.long, device=dev)
+        stop_ids = torch.tensor(list(params.effective_stop_token_ids) or [-1], dtype=torch.long, device=dev)
 
         context = self._inference_context()
         # Prefill: all prompt positions at once. Megatron masks where the mask is True.

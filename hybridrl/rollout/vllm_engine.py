@@ -225,7 +225,7 @@ class VllmRolloutEngine(RolloutEngine):
         return VllmSamplingParams(
             n=1, temperature=0.0 if params.is_greedy else params.temperature, top_p=params.top_p,
             top_k=max(params.top_k, 0), max_tokens=params.max_new_tokens, min_tokens=0,
-            stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+            stop_token_ids=list(params.effective_stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
             seed=seed)
 
     def generate(self, prompts: Prompts | Any, params: SamplingParams) -> Any:

@@ -2,7 +2,7 @@
 
 One step (every algorithm): prompts -> actor.generate_sequences (hybrid engine transition + rollout)
 [-> greedy baseline for ReMax] -> rewards (rule function or reward model) [-> costs for Safe-RLHF]
--> old log-probs (actor), reference log-probs, values (critics) -> advantages (algorithms/compute.py,
+-> old log-probs (actor; skipped when the update is exactly on-policy), reference log-probs, values (critics) -> advantages (algorithms/compute.py,
 KL as a reward penalty or a loss term) -> critic update(s) -> actor update -> KL controller / Lagrange
 multiplier -> metrics.
 """
@@ -90,7 +90,7 @@ class RLTrainer:
         rollout = {"engine": r.engine, "tp": r.tp, "reshard": r.reshard, "bucket_mb": r.bucket_mb,
                    "max_model_len": plan.max_model_len,
                    "max_batch_size": r.max_batch_size, "n": r.n, "temperature": r.temperature, "top_p": r.top_p,
-                   "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+                   "top_k": r.top_k, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
         loss = {"clip_ratio": cfg.algorithm.clip_ratio, "entropy_coef": cfg.algorithm.entropy_coef,
                 "kl_estimator": self.kl_estimator}
         self.roles["actor"] = Actor(plan.roles["actor"].model_path, parallel("actor"), rollout, pool("actor"),
@@ -147,13 +147,18 @@ class RLTrainer:
             timer.pop()
             self.step += 1
             return {"skipped": 1.0}
-        with timer("old_log_probs"):
-            old_log_probs = actor.compute_log_probs(out)
         ref_log_probs = None
         kl_coef = self.kl_ctrl.value
         if "ref" in roles:
             with timer("reference"):
                 ref_log_probs = roles["ref"].get_log_probs(out)
+        # One update over the whole batch is exactly on-policy: the update's own forward gives the old
+        # log-probs (detached), so a separate pass is only needed for a KL penalty in the reward.
+        on_policy = alg.ppo_epochs == 1 and plan.mini_batches == 1
+        old_log_probs = None
+        if not on_policy or (ref_log_probs is not None and self.kl_mode == "reward"):
+            with timer("old_log_probs"):
+                old_log_probs = actor.compute_log_probs(out)
         values = cost_values = None
         if "critic" in roles:
             with timer("critic"):
@@ -161,7 +166,7 @@ class RLTrainer:
                 if "cost_critic" in roles:
                     cost_values = roles["cost_critic"].compute_values(out)
         token_kl = None
-        if ref_log_probs is not None:
+        if ref_log_probs is not None and old_log_probs is not None:
             token_kl = kl_penalty(old_log_probs, ref_log_probs, self.kl_estimator) * mask
         index = torch.arange(len(prompts)).repeat_interleave(n)
         result = compute_advantages(
@@ -183,7 +188,10 @@ class RLTrainer:
                 actions=out, advantages=result.advantages, old_log_probs=old_log_probs,
                 ref_log_probs=ref_log_probs if kl_loss else None, kl_loss_coef=kl_coef if kl_loss else 0.0,
                 mini_batches=minis, epochs=epochs).items()})
-        sequence_kl = float(((old_log_probs - ref_log_probs) * mask).sum(-1).mean()) if ref_log_probs is not None else 0.0
+        # the KL the controller sees: trainer log-probs when computed, else the rollout's (same policy)
+        policy_log_probs = old_log_probs if old_log_probs is not None else out.log_probs
+        sequence_kl = float(((policy_log_probs - ref_log_probs) * mask).sum(-1).mean()) \
+            if ref_log_probs is not None else 0.0
         self.kl_ctrl.update(sequence_kl, n_steps=len(out))
         if self.lagrange is not None:
             metrics["lagrange_multiplier"] = self.lagrange.value
