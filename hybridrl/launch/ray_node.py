@@ -270,6 +270,7 @@ def run_node(args: argparse.Namespace) -> int:
     env.setdefault("RAY_AUTH_MODE", "disabled")  # every node and the driver must agree (FACTS.md)
     # Ray's startup waits (agent port files, node registration) are tight for busy nodes
     env.setdefault("RAY_agent_register_timeout_ms", "120000")
+    env.setdefault("RAY_worker_niceness", "0")  # workers are the compute: not below Ray's own daemons
     env.setdefault("RAY_raylet_start_wait_time_s", "120")
     if args.ip_mode == "loopback":
         env["GLOO_SOCKET_IFNAME"] = "lo"  # collectives between the fake nodes stay on loopback

@@ -140,7 +140,9 @@ def plan_run(cfg: Any) -> RunPlan:
     plan.max_model_len = max_len
 
     wanted = ["actor"]
-    plan.needs_reference = spec.uses_reference and (alg.kl.coef > 0 or alg.kl.mode == "loss")
+    # the reference runs only when some step's KL coefficient is non-zero (a linear schedule may rise to one)
+    kl_ever = alg.kl.coef > 0 or (alg.kl.type == "linear" and alg.kl.final_coef > 0)
+    plan.needs_reference = spec.uses_reference and kl_ever
     if plan.needs_reference:
         wanted.append("ref")
     if spec.needs_critic:
