@@ -27,6 +27,8 @@ from hybridrl.protocol import Batch
 logger = logging.getLogger(__name__)
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "ignore_eos")
+# Micro-batches pack sequences up to this many tokens (None: micro_batch_size sequences, one per row).
+DEFAULT_MAX_TOKENS_PER_MICRO_BATCH = 8192
 ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "bucket_mb", "max_model_len", "max_batch_size", "options")
 
 
@@ -142,7 +144,9 @@ class Actor(_Role):
 
     def __init__(self, model: str | None = None, parallel: dict | None = None, rollout: dict | None = None,
                  resource_pool: ResourcePool | None = None, optim: dict | None = None, loss: dict | None = None,
-                 micro_batch_size: int = 8, dtype: str = "float32", tokenizer: Any = None, seed: int = 1,
+                 micro_batch_size: int = 8,
+                 max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
+                 dtype: str = "float32", tokenizer: Any = None, seed: int = 1,
                  role: str = "actor", call_timeout_s: float | None = 3600.0) -> None:
         from hybridrl.workers.actor import ActorWorker
 
@@ -158,7 +162,8 @@ class Actor(_Role):
         engine_spec["pad_token_id"] = self.tokenizer.pad_token_id or 0
         engine_spec["stop_token_ids"] = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.loss = dict(loss or {})
-        model_spec = {"path": path, "dtype": dtype, "micro_batch_size": micro_batch_size, "optim": dict(optim or {})}
+        model_spec = {"path": path, "dtype": dtype, "micro_batch_size": micro_batch_size,
+                      "max_tokens_per_micro_batch": max_tokens_per_micro_batch, "optim": dict(optim or {})}
         super().__init__(ActorWorker, role, resource_pool, parallel,
                          {"model": model_spec, "rollout": engine_spec, "seed": seed}, seed, call_timeout_s)
         self._step_seed = seed * 1_000_003
@@ -291,11 +296,14 @@ class ReferencePolicy(_Role):
     """The frozen initial policy; by default it takes the pool's layout (colocated with the actor)."""
 
     def __init__(self, model: str | None = None, resource_pool: ResourcePool | None = None,
-                 parallel: dict | None = None, micro_batch_size: int = 8, dtype: str = "float32", seed: int = 1,
+                 parallel: dict | None = None, micro_batch_size: int = 8,
+                 max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
+                 dtype: str = "float32", seed: int = 1,
                  role: str = "ref", call_timeout_s: float | None = 3600.0) -> None:
         from hybridrl.workers.actor import ReferenceWorker
 
-        spec = {"path": _model_path(model), "dtype": dtype, "micro_batch_size": micro_batch_size}
+        spec = {"path": _model_path(model), "dtype": dtype, "micro_batch_size": micro_batch_size,
+                "max_tokens_per_micro_batch": max_tokens_per_micro_batch}
         super().__init__(ReferenceWorker, role, resource_pool, parallel, {"model": spec, "seed": seed}, seed,
                          call_timeout_s)
 
@@ -312,12 +320,13 @@ class Critic(_Role):
 
     def __init__(self, model: str | None = None, resource_pool: ResourcePool | None = None,
                  parallel: dict | None = None, optim: dict | None = None, micro_batch_size: int = 8,
+                 max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", seed: int = 1, role: str = "critic",
                  call_timeout_s: float | None = 3600.0) -> None:
         from hybridrl.workers.value import CriticWorker
 
         spec = {"path": _model_path(model), "dtype": dtype, "micro_batch_size": micro_batch_size,
-                "optim": dict(optim or {})}
+                "max_tokens_per_micro_batch": max_tokens_per_micro_batch, "optim": dict(optim or {})}
         super().__init__(CriticWorker, role, resource_pool, parallel, {"model": spec, "seed": seed}, seed,
                          call_timeout_s)
 
@@ -344,6 +353,7 @@ class RewardModel:
 
     def __init__(self, model: str | None = None, fn: Callable | str | None = None,
                  resource_pool: ResourcePool | None = None, parallel: dict | None = None, micro_batch_size: int = 8,
+                 max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", seed: int = 1, role: str = "reward", num_workers: int = 0,
                  call_timeout_s: float | None = 3600.0) -> None:
         from hybridrl.workers.rule_reward import RuleReward
@@ -355,7 +365,8 @@ class RewardModel:
         if model is not None:
             from hybridrl.workers.value import RewardModelWorker
 
-            spec = {"path": str(model), "dtype": dtype, "micro_batch_size": micro_batch_size}
+            spec = {"path": str(model), "dtype": dtype, "micro_batch_size": micro_batch_size,
+                    "max_tokens_per_micro_batch": max_tokens_per_micro_batch}
             self.role = _Role(RewardModelWorker, role, resource_pool, parallel, {"model": spec, "seed": seed}, seed,
                               call_timeout_s)
 

@@ -51,7 +51,8 @@ class RoleConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is null
+    max_tokens_per_micro_batch: Optional[int] = 8192  # pack sequences into micro-batches of at most this many tokens
     pool: str = "default"  # resource pool name; roles on one pool colocate
 
 

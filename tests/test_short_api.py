@@ -60,10 +60,11 @@ def test_actor_update_equals_pytorch_reference(ray_four_devices, tmp_path):
     path = str(default_model_dir())
     pool = hybridrl.ResourcePool(devices=4)
     try:
-        # TP=2 x DP=2, 3-row micro-batches (a filler row per DP rank), plain SGD with lr 1: delta = -gradient
+        # TP=2 x DP=2, token-budget micro-batches of two rows (two micro-batches per DP rank), plain SGD with
+        # lr 1: delta = -gradient
         actor = hybridrl.Actor(parallel={"tp": 2, "pp": 1}, rollout={"tp": 1, "max_new_tokens": 8}, resource_pool=pool,
                                optim={"optimizer": "sgd", "lr": 1.0, "clip_grad": 1e9,
-                                      "use_distributed_optimizer": False}, micro_batch_size=3)
+                                      "use_distributed_optimizer": False}, max_tokens_per_micro_batch=48)
         out = actor.generate_sequences(PROMPTS, seed=3)
         advantages = torch.randn(len(out), generator=torch.Generator().manual_seed(0))
         metrics = actor.update(actions=out, advantages=advantages)

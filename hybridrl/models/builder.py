@@ -48,17 +48,30 @@ class ScalarHead(torch.nn.Module):
                                                    sharded_offsets)
 
 
+def uses_transformer_engine() -> bool:
+    """True where models get TransformerEngine's layer spec: on GPU when transformer_engine imports."""
+    if not use_cuda():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def shares_rows() -> bool:
+    """Whether several sequences may share one row under a block-diagonal attention mask. Megatron's local
+    attention honours an explicit mask; TransformerEngine's causal kernels ignore it (packing there needs
+    THD packed-sequence parameters), so with TE every sequence keeps a row of its own."""
+    return not uses_transformer_engine()
+
+
 def layer_spec(config: Any):
     """TransformerEngine spec on GPU when transformer_engine imports; Megatron's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if use_cuda():
-        try:
-            import transformer_engine  # noqa: F401
-
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+    if uses_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
 
 

@@ -95,20 +95,23 @@ class RLTrainer:
                 "kl_estimator": self.kl_estimator}
         self.roles["actor"] = Actor(plan.roles["actor"].model_path, parallel("actor"), rollout, pool("actor"),
                                     optim=dict(a.optim), loss=loss, micro_batch_size=a.micro_batch_size,
+                                    max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
                                     dtype=a.model.dtype, tokenizer=self.tokenizer, seed=seed, call_timeout_s=timeout)
         if "ref" in plan.roles:
             self.roles["ref"] = ReferencePolicy(plan.roles["ref"].model_path, pool("ref"), parallel("ref"),
-                                                cfg.ref.micro_batch_size, cfg.ref.model.dtype, seed,
-                                                call_timeout_s=timeout)
+                                                cfg.ref.micro_batch_size, cfg.ref.max_tokens_per_micro_batch,
+                                                cfg.ref.model.dtype, seed, call_timeout_s=timeout)
         for role in ("critic", "cost_critic"):
             if role in plan.roles:
                 c = cfg.critic
                 self.roles[role] = Critic(plan.roles[role].model_path, pool(role), parallel(role), dict(c.optim),
-                                          c.micro_batch_size, c.model.dtype, seed, role=role, call_timeout_s=timeout)
+                                          c.micro_batch_size, c.max_tokens_per_micro_batch, c.model.dtype, seed,
+                                          role=role, call_timeout_s=timeout)
         for role, fn in (("reward", plan.reward_fn), ("cost", plan.cost_fn)):
             if role in plan.roles:
                 self.roles[role] = RewardModel(model=plan.roles[role].model_path, resource_pool=pool(role),
                                                parallel=parallel(role), micro_batch_size=cfg.ref.micro_batch_size,
+                                               max_tokens_per_micro_batch=cfg.ref.max_tokens_per_micro_batch,
                                                dtype=cfg.ref.model.dtype, seed=seed, role=role,
                                                call_timeout_s=timeout)
             elif fn:

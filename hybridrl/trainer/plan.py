@@ -138,6 +138,12 @@ def plan_run(cfg: Any) -> RunPlan:
            f"rollout.max_model_len={max_len} < data.max_prompt_length + rollout.max_new_tokens = "
            f"{data.max_prompt_length + roll.max_new_tokens}; raise it or leave it unset")
     plan.max_model_len = max_len
+    for role in ("actor", "ref", "critic"):
+        budget = cfg[role].max_tokens_per_micro_batch
+        _check(budget is None or budget >= max_len,
+               f"{role}.max_tokens_per_micro_batch={budget} is below the longest sequence (data.max_prompt_length + "
+               f"rollout.max_new_tokens = {max_len} tokens); raise it to at least {max_len} or set it to null "
+               f"({role}.micro_batch_size sequences per micro-batch)")
 
     wanted = ["actor"]
     # the reference runs only when some step's KL coefficient is non-zero (a linear schedule may rise to one)

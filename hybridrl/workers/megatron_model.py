@@ -3,7 +3,8 @@
 Every Megatron-backed role (actor, reference, critic, reward / cost model) holds one `MegatronModel`:
 - built from a Hugging Face folder for this rank's TP/PP shard (LM head or scalar head);
 - trainable ones are wrapped in Megatron's DDP with its (distributed) optimizer and LR scheduler;
-- `forward(...)` and `train_step(...)` cut a Batch of rollouts into micro-batches and run them through
+- `forward(...)` and `train_step(...)` cut a Batch of rollouts into micro-batches (by a token budget, rows
+  of packed sequences; workers/sequences.py) and run them through
   `get_forward_backward_func()` (1F1B when PP > 1), so pipeline parallelism and gradient accumulation are
   Megatron's own. Results exist on the last pipeline stage (the ranks the driver collects from).
 
@@ -22,7 +23,7 @@ import torch
 
 from hybridrl.controller.dispatch import Dispatch, register
 from hybridrl.protocol import Batch
-from hybridrl.workers.sequences import PackedSequences, pack
+from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class ModelSpec:
     path: str
     head: str = "lm"  # lm | scalar
     dtype: str = "float32"
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is None
+    max_tokens_per_micro_batch: int | None = None  # token budget: pack sequences into rows (no padding rows)
     optim: OptimSpec | None = None  # None: frozen (reference, reward model)
     sequence_parallel: bool = False
 
@@ -73,14 +75,6 @@ def rollout_rows(data: Batch, multiple_of: int = 1) -> PackedSequences:
                 data["response_mask"], multiple_of=multiple_of)
 
 
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """Repeat the first row to reach `rows` rows (filler micro-batch rows are masked out by the callers)."""
-    missing = rows - tensor.shape[0]
-    if missing <= 0:
-        return tensor
-    return torch.cat([tensor, tensor[:1].expand(missing, *tensor.shape[1:])])
-
-
 class MegatronModel:
     """A role's model shard on this rank (Megatron parallel state must already be initialised)."""
 
@@ -94,6 +88,8 @@ class MegatronModel:
             raise ValueError(f"model dtype={spec.dtype!r}; choose one of {sorted(DTYPES)}")
         if spec.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={spec.micro_batch_size} must be >= 1")
+        if spec.max_tokens_per_micro_batch is not None and spec.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch={spec.max_tokens_per_micro_batch} must be >= 1 (or None)")
         self.spec = spec
         self.hf_config = load_hf_config(spec.path)
         torch.manual_seed(seed)
@@ -143,36 +139,30 @@ class MegatronModel:
             start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 
     # ---- running micro-batches -----------------------------------------------------------------------
-    def _micro_batches(self, packed: PackedSequences, extra: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
-        """Cut rows into equal micro-batches (Megatron's pipeline needs one shape); the last is filled with
-        copies of row 0, flagged by `row_valid` = 0."""
+    def _micro_batches(self, packed: PackedSequences, extra: dict[str, torch.Tensor]) -> tuple[list[dict], list[int]]:
+        """Micro-batches of this rank's sequences (workers/sequences.py): by token budget when the spec has
+        one, else micro_batch_size rows. Pipeline stages need one activation shape: uniform row counts."""
+        from megatron.core import parallel_state
+
+        from hybridrl.models.builder import shares_rows
         from hybridrl.parallel.distributed import device
 
-        rows = packed.batch_size
-        size = min(self.spec.micro_batch_size, rows)
-        count = math.ceil(rows / size)
-        total = count * size
-        dev = device()
-        width = packed.input_ids.shape[1]
-        tensors = {"input_ids": packed.input_ids, "prompt_lengths": packed.prompt_lengths,
-                   "lengths": packed.lengths, **extra}
-        tensors = {k: _pad_rows(v, total).to(dev) for k, v in tensors.items()}
-        tensors["row_valid"] = (torch.arange(total) < rows).float().to(dev)
-        tensors["position_ids"] = torch.arange(width, device=dev).expand(total, width)
-        return [{k: v[i * size:(i + 1) * size] for k, v in tensors.items()} for i in range(count)], size
+        return micro_batches(packed, extra, micro_batch_size=self.spec.micro_batch_size,
+                             max_tokens=self.spec.max_tokens_per_micro_batch, share_rows=shares_rows(),
+                             uniform=parallel_state.get_pipeline_model_parallel_world_size() > 1, device=device())
 
-    def _run(self, micro_batches: list[dict], micro_batch_size: int, loss_fn: Callable, forward_only: bool) -> list:
+    def _run(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
+            output = model(mb["input_ids"], mb["position_ids"], attention_mask=mb.get("attention_mask"))
             return output, functools.partial(loss_fn, mb)
 
-        width = micro_batches[0]["input_ids"].shape[1]
+        rows, width = micro_batches[0]["input_ids"].shape
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
-            num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=micro_batch_size,
+            num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=rows,
             forward_only=forward_only)
 
     def forward(self, data: Batch, per_micro_batch: Callable[[dict, torch.Tensor], torch.Tensor],
@@ -180,7 +170,7 @@ class MegatronModel:
         """Forward only: `per_micro_batch(mb, output) -> [b, ...]` on the last stage; returns the rows'
         results concatenated (filler rows dropped) on the last stage, None on earlier stages."""
         packed = rollout_rows(data, self.tp if self.spec.sequence_parallel else 1)
-        micro_batches, size = self._micro_batches(packed, extra or {})
+        micro_batches, order = self._micro_batches(packed, extra or {})
 
         def loss_fn(mb, output):
             return torch.zeros((), device=output.device), {"out": per_micro_batch(mb, output).detach()}
@@ -189,12 +179,12 @@ class MegatronModel:
         self.model.eval()
         try:
             with torch.no_grad():
-                outputs = self._run(micro_batches, size, loss_fn, forward_only=True)
+                outputs = self._run(micro_batches, loss_fn, forward_only=True)
         finally:
             self.model.train(was_training)
         if not self.is_last_stage:
             return None
-        return torch.cat([o["out"].cpu() for o in outputs])[:packed.batch_size]
+        return restore_order(torch.cat([o["out"].cpu() for o in outputs]), order)
 
     def train_epochs(self, data: Batch, loss_terms: Callable, keys: list[str], mini_batches: int = 1,
                      epochs: int = 1, role: str = "update") -> dict[str, float]:
@@ -220,7 +210,7 @@ class MegatronModel:
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model (built without optim)")
         packed = rollout_rows(data, self.tp if self.spec.sequence_parallel else 1)
-        micro_batches, size = self._micro_batches(packed, extra)
+        micro_batches, _ = self._micro_batches(packed, extra)
         local_tokens = sum(float((mb["response_mask"] * mb["row_valid"].unsqueeze(1)).sum()) for mb in micro_batches)
         tokens = torch.tensor([local_tokens], dtype=torch.float64, device=micro_batches[0]["input_ids"].device)
         dp = parallel_state.get_data_parallel_world_size()
@@ -237,7 +227,7 @@ class MegatronModel:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro_batches, size, loss_fn, forward_only=False)
+        outputs = self._run(micro_batches, loss_fn, forward_only=False)
         if self._grads_finite():
             ok, grad_norm, _ = self.optimizer.step()
         else:  # never let NaN/inf reach the weights (or a checkpoint): skip this step on every rank

@@ -1,8 +1,8 @@
 """What a policy model computes on a micro-batch: response-token log-probs, entropy, and the actor loss.
 
-Micro-batches come from MegatronModel._micro_batches: packed rows ("input_ids", "prompt_lengths"),
-"row_valid" (0 on filler rows) and the per-response-token tensors the caller passed ([b, R]).
-Response token i of a row is predicted at position prompt_length - 1 + i.
+Micro-batches come from workers/sequences.py `micro_batches`: rows of packed sequences ("input_ids"), and per
+sequence "row_of" / "seq_start" / "prompt_lengths", "row_valid" and the per-response-token tensors the caller
+passed ([n, R]). Response token i of a sequence is predicted at column prompt_length - 1 + i of it.
 """
 from __future__ import annotations
 
@@ -11,30 +11,29 @@ from dataclasses import dataclass
 import torch
 
 from hybridrl.algorithms.losses import kl_penalty, masked_mean, ppo_policy_loss
+from hybridrl.workers.sequences import gather_at
 from hybridrl.workers.vocab_parallel import token_log_probs
 
 
-def response_index(mb: dict, width: int) -> torch.Tensor:
-    """[b, R] positions whose outputs belong to the response tokens (clamped inside the row)."""
+def response_index(mb: dict) -> torch.Tensor:
+    """[n, R] columns (from each sequence's start) whose outputs predict the response tokens."""
     responses = mb["response_mask"].shape[1]
     offsets = torch.arange(responses, device=mb["input_ids"].device).unsqueeze(0)
-    return (mb["prompt_lengths"].unsqueeze(1) - 1 + offsets).clamp(0, width - 1)
+    return mb["prompt_lengths"].unsqueeze(1) - 1 + offsets
 
 
 def response_mask(mb: dict) -> torch.Tensor:
-    """Response-token mask with filler rows zeroed."""
+    """Response-token mask with filler sequences zeroed."""
     return mb["response_mask"].float() * mb["row_valid"].unsqueeze(1)
 
 
 def response_log_probs(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(response token) [b, R] (and entropy [b, R]) from this rank's vocab-parallel logits [b, L, V/tp]."""
-    ids = mb["input_ids"]
-    labels = torch.roll(ids, shifts=-1, dims=1)
-    index = response_index(mb, ids.shape[1])
+    """log p(response token) [n, R] (and entropy [n, R]) from this rank's vocab-parallel logits [rows, W, V/tp]."""
+    columns = response_index(mb)
     # only the response positions are needed: select them before the softmax statistics
-    picked_logits = torch.gather(logits, 1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    picked_labels = torch.gather(labels, 1, index)
+    picked_logits = gather_at(logits, mb, columns)
+    picked_labels = gather_at(mb["input_ids"], mb, columns + 1)
     return token_log_probs(picked_logits, picked_labels, vocab_size=vocab_size, tp_group=tp_group,
                            with_entropy=with_entropy)
 

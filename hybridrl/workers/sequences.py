@@ -1,9 +1,18 @@
 """Token layouts between rollout and training.
 
 Rollouts come back as left-padded prompts [B, P] and right-padded responses [B, R]. Models are run on
-"packed" rows instead: each row is prompt + response with no gap, right-padded, positions 0..L-1, so a
-plain causal mask is exact (padding only ever follows real tokens). Response token i of a row is predicted at
-position prompt_length - 1 + i (workers/policy.py reads the model's outputs there).
+"packed" sequences instead: each is prompt + response with no gap, positions 0..L-1, so a causal mask is
+exact (padding only ever follows real tokens). Response token i of a sequence starting at column s of its
+row is predicted at column s + prompt_length - 1 + i (workers/policy.py reads the model's outputs there).
+
+Micro-batches (`micro_batches`) come in two shapes:
+- rows: `micro_batch_size` sequences per micro-batch, one per row (the padded layout);
+- token budget: rows of the longest sequence's width, several short sequences sharing a row where they fit
+  (block-diagonal causal mask, positions restarting at 0), as many rows per micro-batch as
+  `max_tokens_per_micro_batch` allows. A sequence never straddles rows, so attention costs what the padded
+  batch costs at most, and no micro-batch computes on rows of padding.
+Each micro-batch carries, per sequence, `row_of` / `seq_start` (where it lives) and the caller's per-sequence
+tensors; `gather_at` reads a model output at per-sequence columns.
 """
 from __future__ import annotations
 
@@ -39,3 +48,93 @@ def pack(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tens
         out[row, : p.numel()] = p
         out[row, p.numel(): p.numel() + r.numel()] = r
     return PackedSequences(out, lengths, prompt_lengths, responses.shape[1])
+
+
+def _first_fit_rows(lengths: list[int], width: int, share_rows: bool) -> list[list[int]]:
+    """Sequence indices per row: first-fit decreasing into rows of `width` tokens (one per row if not
+    share_rows)."""
+    if not share_rows:
+        return [[i] for i in range(len(lengths))]
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(width - lengths[i])
+    return rows
+
+
+def micro_batches(packed: PackedSequences, extra: dict[str, torch.Tensor], *, micro_batch_size: int,
+                  max_tokens: int | None = None, share_rows: bool = True, uniform: bool = False,
+                  device: torch.device | str = "cpu") -> tuple[list[dict], list[int]]:
+    """Cut packed sequences into micro-batches; returns (micro-batches, sequence order).
+
+    The sequence order lists the sequence indices in the order the micro-batches hold them (concatenate
+    per-sequence results, then put them back with `restore_order`). uniform=True (pipeline parallelism)
+    gives every micro-batch the same number of rows (empty rows fill the last one; they hold no sequence).
+    Rows mode: max_tokens None, `micro_batch_size` sequences per micro-batch.
+    """
+    count, width = packed.batch_size, packed.input_ids.shape[1]
+    lengths = packed.lengths.tolist()
+    if max_tokens is None:
+        rows = [[i] for i in range(count)]
+        rows_per_mb = min(micro_batch_size, count)
+    else:
+        if max_tokens < width:
+            raise ValueError(f"max_tokens_per_micro_batch={max_tokens} is below the longest sequence's "
+                             f"{width} tokens; raise it to at least {width}")
+        rows = _first_fit_rows(lengths, width, share_rows)
+        rows_per_mb = max_tokens // width
+    groups = [rows[i:i + rows_per_mb] for i in range(0, len(rows), rows_per_mb)]
+    out, order = [], []
+    for group in groups:
+        num_rows = rows_per_mb if uniform else len(group)
+        ids = torch.zeros((num_rows, width), dtype=packed.input_ids.dtype)
+        positions = torch.arange(width).repeat(num_rows, 1)
+        blocks = torch.zeros((num_rows, width), dtype=torch.long)  # which sequence of the row a column holds
+        seq, row_of, start_of = [], [], []
+        for r, members in enumerate(group):
+            start = 0
+            for block, i in enumerate(members):
+                n = lengths[i]
+                ids[r, start:start + n] = packed.input_ids[i, :n]
+                positions[r, start:start + n] = torch.arange(n)
+                blocks[r, start:start + n] = block
+                blocks[r, start + n:] = block + 1  # the row's padding: a block of its own
+                seq.append(i)
+                row_of.append(r)
+                start_of.append(start)
+                start += n
+        index = torch.tensor(seq, dtype=torch.long)
+        mb = {"input_ids": ids, "position_ids": positions, "row_of": torch.tensor(row_of),
+              "seq_start": torch.tensor(start_of), "lengths": packed.lengths[index],
+              "prompt_lengths": packed.prompt_lengths[index], "row_valid": torch.ones(len(seq)),
+              **{k: v[index] for k, v in extra.items()}}
+        if any(len(members) > 1 for members in group):  # block-diagonal causal; True = masked (Megatron)
+            causal = torch.ones((width, width), dtype=torch.bool).tril()
+            allowed = causal & (blocks[:, :, None] == blocks[:, None, :])
+            mb["attention_mask"] = ~allowed.unsqueeze(1)
+        out.append({k: v.to(device) for k, v in mb.items()})
+        order += seq
+    return out, order
+
+
+def restore_order(results: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Per-sequence results in micro-batch order -> the original sequence order."""
+    out = torch.empty_like(results)
+    out[torch.tensor(order, dtype=torch.long)] = results
+    return out
+
+
+def gather_at(output: torch.Tensor, mb: dict, columns: torch.Tensor) -> torch.Tensor:
+    """output [rows, W, ...] read at per-sequence columns [n, k] (relative to each sequence's start, clamped
+    inside its row) -> [n, k, ...]."""
+    rows, width = output.shape[:2]
+    absolute = (mb["seq_start"].unsqueeze(1) + columns).clamp(0, width - 1)
+    flat = output.reshape(rows * width, *output.shape[2:])
+    return flat[mb["row_of"].unsqueeze(1) * width + absolute]

@@ -15,11 +15,12 @@ from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel, model_spec
 from hybridrl.workers.policy import response_index, response_mask
+from hybridrl.workers.sequences import gather_at
 
 
 def _response_values(mb: dict, output: torch.Tensor) -> torch.Tensor:
-    """[b, R] scalars at the positions that predict each response token (output [b, L, 1])."""
-    return torch.gather(output.squeeze(-1).float(), 1, response_index(mb, output.shape[1]))
+    """[n, R] scalars at the positions that predict each response token (output [rows, W, 1])."""
+    return gather_at(output.squeeze(-1).float(), mb, response_index(mb))
 
 
 class CriticWorker(CheckpointedRole, Worker):
@@ -65,7 +66,7 @@ class RewardModelWorker(Worker):
 
         def last_token_score(mb, output):
             last = (mb["lengths"] - 1).clamp(min=0).unsqueeze(1)
-            return torch.gather(output.squeeze(-1).float(), 1, last).squeeze(1)
+            return gather_at(output.squeeze(-1).float(), mb, last).squeeze(1)
 
         scores = self.model.forward(data, last_token_score)
         return None if scores is None else Batch({"scores": scores})
