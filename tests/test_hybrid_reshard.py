@@ -257,6 +257,49 @@ def test_reshard_eight_processes():
         pool.close()
 
 
+def test_small_transfers_share_packed_collectives():
+    """The (2,2,1) -> (1,1) transfers of the synthetic model are small: they travel in a few packed
+    collectives (every piece exactly once, each collective within the bucket); with a bucket too small to
+    pack, each transfer keeps its own in-place collective."""
+    from collections import Counter
+
+    from hybridrl.hybrid_engine.inplace import InPlaceSchedule
+    from hybridrl.hybrid_engine.reshard import _Meta
+    from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    groups = GenerationGroups(ParallelLayout(tp=2, pp=2), GenerationLayout())
+    member_meta = []
+    for rank in groups.micro_dp_groups()[0]:
+        c = groups.train.coords(rank)
+        metas = []
+        for s in _specs():
+            if _stage(s, 2) == c.pp:
+                shape = list(s.shape)
+                if s.partition_dim is not None:
+                    shape[s.partition_dim] //= 2
+                metas.append(_Meta(s.name, tuple(shape), s.partition_dim, s.regroup))
+        member_meta.append(((c.pp, c.tp, c.dp), metas))
+    bucket = 1 << 20
+    schedule = InPlaceSchedule(groups, member_meta, None, bucket)
+    pieces = Counter(p for op in schedule.transfers for p in op.parts)
+    assert Counter(p for op in schedule.ops for p in op.parts) == pieces
+    assert len(schedule.ops) <= 5 < len(schedule.transfers) == 19
+    kinds = Counter(op.kind for op in schedule.ops)
+    assert kinds["packed_gather"] == 1 and kinds["packed_broadcast"] >= 1
+    for op in schedule.ops:
+        total = sum(schedule.piece_numel(p) for p in op.parts)
+        assert total + (total // 4 if op.kind == "packed_gather" else 0) <= bucket
+    # a packed gather's members contribute equal slots (no padding on the wire)
+    gather = next(op for op in schedule.ops if op.kind == "packed_gather")
+    slots = Counter()
+    for p in gather.parts:
+        slots[p.member] += schedule.piece_numel(p)
+    assert len(set(slots.values())) == 1 and len(slots) == 4
+    tiny = InPlaceSchedule(groups, member_meta, None, 8)
+    assert not any(op.packed for op in tiny.ops) and len(tiny.ops) == len(tiny.transfers)
+
+
 @pytest.mark.parametrize("prefix", ["decoder.layers.", "model.layers."])
 def test_in_place_schedule_pairs_merged_stages(prefix):
     """(2,2,1) -> (1,1): layer j of both merged stages is one all-gather over the 4 members (no padding);
@@ -279,7 +322,7 @@ def test_in_place_schedule_pairs_merged_stages(prefix):
                 shape[s.partition_dim] //= 2
             metas.append(_Meta(s.name.replace("decoder.layers.", prefix), tuple(shape), s.partition_dim, s.regroup))
         member_meta.append(((c.pp, c.tp, c.dp), metas))
-    ops = InPlaceSchedule(groups, member_meta, None, 1 << 20).ops
+    ops = InPlaceSchedule(groups, member_meta, None, 1 << 20).transfers
     gathers = [op for op in ops if op.kind == "gather"]
     broadcasts = [op for op in ops if op.kind == "broadcast"]
     # 2 layer positions x (qkv, proj, fc1 gate, fc1 up, fc2); broadcasts: 2 embedding + 2 output shards,

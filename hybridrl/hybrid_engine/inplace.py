@@ -38,15 +38,24 @@ class Part:
 
 @dataclass(frozen=True)
 class Op:
-    kind: str                   # "gather" (every member puts a part) | "broadcast" (parts[0].member sends)
-    parts: tuple[Part, ...]    # in member order for "gather"
+    """One collective. In place (the output is the generation buffer itself):
+      "gather": every member puts one part (in member order); "broadcast": parts[0].member sends one part.
+    Packed (many small transfers in one collective, through a scratch bucket and one copy into place):
+      "packed_gather": every member sends its parts (member-major, each member's in a fixed order) packed
+      into one slot of equal size; "packed_broadcast": parts[0].member sends all the parts, packed."""
+    kind: str
+    parts: tuple[Part, ...]
+
+    @property
+    def packed(self) -> bool:
+        return self.kind.startswith("packed_")
 
 
 class InPlaceSchedule:
     """Generation-buffer layout and the ordered collectives of one micro-DP group (identical on its members)."""
 
     def __init__(self, groups, member_meta: list, gen_names: set[str] | None,
-                 bucket_elems: int) -> None:
+                 bucket_elems: int, alone_elems: int | None = None) -> None:
         self.s_t, self.s_p, self.d_g = groups.tp_stride, groups.pp_stride, groups.micro_dp_size
         self.member_meta = member_meta
         self.gen_names = gen_names
@@ -69,7 +78,12 @@ class InPlaceSchedule:
                 self.layout[meta.name] = (offset, tuple(shape))
                 offset += numel_of(shape)
         self.numel = offset
-        self.ops = self._schedule(bucket_elems)
+        # every tensor piece's in-place transfer, then the collectives that carry them: a transfer whose output
+        # reaches alone_elems runs as its own in-place collective, smaller ones share packed collectives of up
+        # to one bucket (a collective's fixed cost dwarfs copying a small tensor once)
+        self.transfers = self._schedule(bucket_elems)
+        alone = max(1, bucket_elems // 8) if alone_elems is None else alone_elems
+        self.ops = self._coalesce(self.transfers, bucket_elems, alone)
 
     def _stage(self, pp_off: int) -> list[tuple[str, object]]:
         """(stage-local key, meta) of a merged training stage, in training order."""
@@ -122,6 +136,52 @@ class InPlaceSchedule:
                     for part in parts:
                         ops += self._split("broadcast", [part], bucket_elems)
         return ops
+
+    def _coalesce(self, transfers: list[Op], bucket_elems: int, alone_elems: int) -> list[Op]:
+        """Group small transfers into packed collectives (gathers together, broadcasts by sender), each
+        outputting at most one bucket; large in-place transfers stay single collectives, in order."""
+        ops: list[Op] = []
+        gathers: list[Part] = []
+        broadcasts: dict[int, list[Part]] = {}
+        sizes = {"gather": 0}
+
+        def flush_gathers() -> None:
+            if gathers:
+                by_member = sorted(gathers, key=lambda p: p.member)  # stable: each member's parts keep order
+                ops.append(Op("packed_gather", tuple(by_member)) if len(gathers) > self.d_g
+                           else Op("gather", tuple(gathers)))
+                gathers.clear()
+                sizes["gather"] = 0
+
+        def flush_broadcast(member: int) -> None:
+            parts = broadcasts.pop(member, [])
+            if parts:
+                ops.append(Op("packed_broadcast", tuple(parts)) if len(parts) > 1 else Op("broadcast", tuple(parts)))
+                sizes.pop(member, None)
+
+        for op in transfers:
+            elems = sum(self.piece_numel(p) for p in op.parts)
+            in_place = all(p.dim == 0 for p in op.parts)  # a dim-1 column block needs a copy anyway
+            if in_place and elems >= alone_elems:
+                ops.append(op)
+                continue
+            key = "gather" if op.kind == "gather" else op.parts[0].member
+            # a packed gather also needs the member's own send slot (1/d_g of it) beside its output
+            limit = bucket_elems * self.d_g // (self.d_g + 1) if key == "gather" else bucket_elems
+            if sizes.get(key, 0) + elems > limit:
+                flush_gathers() if key == "gather" else flush_broadcast(key)
+            if key == "gather":
+                gathers.extend(op.parts)
+            else:
+                broadcasts.setdefault(key, []).extend(op.parts)
+            sizes[key] = sizes.get(key, 0) + elems
+        flush_gathers()
+        for member in list(broadcasts):
+            flush_broadcast(member)
+        return ops
+
+    def piece_numel(self, part: Part) -> int:
+        return numel_of(self._piece_shape(part))
 
     def _piece_shape(self, part: Part) -> tuple[int, ...]:
         meta = self.by_member[part.member][part.src]

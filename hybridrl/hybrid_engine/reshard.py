@@ -14,8 +14,11 @@ buffer is filled by collectives inside the micro-DP group whose outputs ARE view
     t_g < t): one broadcast per holder (owner of a replicated tensor: the first training TP rank of the
     generation TP shard), received in place; no padding is ever sent;
   - a dim-1 partition (linear_proj, fc2) with t_g < t: its column blocks are strided in the generation
-    tensor, so the pieces are gathered into a scratch bucket and copied into place (the one documented extra
-    copy; at most one bucket alive).
+    tensor, so the pieces are gathered into a scratch bucket and copied into place (at most one bucket alive);
+  - small transfers (below 1/8 of a bucket, and every column-block one) share packed collectives: the
+    members pack their pieces into one slot, one all-gather (or one broadcast per sender) fills a scratch
+    bucket, and each piece is copied into place. A collective has a fixed cost that dwarfs copying a small
+    tensor once, so a model moves in a few collectives instead of one per tensor.
 Every collective's output is at most one bucket (large tensors go in row pieces), so the scratch and any
 staging inside the collective backend are bounded by the bucket. The rank's own training shard reaches its
 slot once (inside its own all-gather, or one copy when it is the broadcast root). With release_training
@@ -198,8 +201,12 @@ class Resharder:
         stats = ReshardStats(buffer_bytes=sched.numel * itemsize, generation_bytes=sched.numel * itemsize)
         scratch_elems = 0
         for op in sched.ops:
-            dsts = [sched.dst_view(views, p) for p in op.parts]
-            staged = sum(d.numel() for d in dsts if not d.is_contiguous())
+            if op.packed:  # the packed output (+ the own send slot of a gather)
+                total = sum(sched.piece_numel(p) for p in op.parts)
+                staged = total + (total // len(self.members) if op.kind == "packed_gather" else 0)
+            else:
+                dsts = [sched.dst_view(views, p) for p in op.parts]
+                staged = sum(d.numel() for d in dsts if not d.is_contiguous())
             scratch_elems = max(scratch_elems, staged)
         scratch = torch.empty(scratch_elems, dtype=self.dtype, device=self.device)
         stats.scratch_bytes = scratch_elems * itemsize
@@ -224,6 +231,9 @@ class Resharder:
 
     def _run_op(self, op: Op, views: dict[str, torch.Tensor], scratch: torch.Tensor, stats: ReshardStats,
                 itemsize: int) -> None:
+        if op.packed:
+            self._run_packed_op(op, views, scratch, stats, itemsize)
+            return
         sched, me = self.schedule, self.me
         dsts = [sched.dst_view(views, p) for p in op.parts]
         outs, staged, cursor = [], [], 0
@@ -262,6 +272,45 @@ class Resharder:
         for dst, tmp in staged:
             dst.copy_(tmp)
             stats.regroup_copy_bytes += tmp.numel() * itemsize
+
+    def _run_packed_op(self, op: Op, views: dict[str, torch.Tensor], scratch: torch.Tensor, stats: ReshardStats,
+                       itemsize: int) -> None:
+        """Many small transfers in one collective: pack the sources, move the packed bucket, copy into place."""
+        sched, me = self.schedule, self.me
+        sizes = [sched.piece_numel(p) for p in op.parts]
+        total = sum(sizes)
+        stats.collectives += 1
+        if op.kind == "packed_gather":
+            slot = total // len(self.members)
+            out, send = scratch[:total], scratch[total:total + slot]
+            cursor = 0
+            for part, size in zip(op.parts, sizes):
+                if part.member == me:
+                    send[cursor:cursor + size].copy_(self._own[part.src].narrow(0, part.row, part.rows).reshape(-1))
+                    cursor += size
+            _all_gather_single(out, send, group=self.group)
+            stats.recv_payload_bytes += (total - slot) * itemsize
+            stats.own_copy_bytes += slot * itemsize
+            stats.regroup_copy_bytes += total * itemsize  # packing + every other member's pieces into place
+        else:
+            root = op.parts[0].member
+            out = scratch[:total]
+            if root == me:
+                cursor = 0
+                for part, size in zip(op.parts, sizes):
+                    out[cursor:cursor + size].copy_(self._own[part.src].narrow(0, part.row, part.rows).reshape(-1))
+                    cursor += size
+                stats.own_copy_bytes += total * itemsize
+                stats.regroup_copy_bytes += total * itemsize  # the packing
+            else:
+                stats.recv_payload_bytes += total * itemsize
+                stats.regroup_copy_bytes += total * itemsize
+            dist.broadcast(out, src=self.members[root], group=self.group)
+        cursor = 0  # member-major: each piece lands in its place in the generation buffer
+        for part, size in zip(op.parts, sizes):
+            dst = sched.dst_view(views, part)
+            dst.copy_(out[cursor:cursor + size].view(dst.shape))
+            cursor += size
 
     @staticmethod
     def _adjacent_region(outs: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor | None:
