@@ -35,7 +35,7 @@ setup(
         # wandb / mlflow: the optional tracker backends (trainer.trackers), tested in offline / file-store mode
         "test": ["pytest>=8", "pytest-timeout", "wandb==0.31.0", "mlflow-skinny==3.18.0"],
         "tracking": ["wandb", "mlflow-skinny"],
-        "bench": ["matplotlib", "pandas"],
+        "bench": ["matplotlib", "pandas", "py-spy"],
     },
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
 )
