@@ -35,7 +35,7 @@ from benchmarks._results import RESULTS_DIR, default_meta, write_results  # noqa
 
 logger = logging.getLogger("benchmarks.profile_step")
 # frames worth naming in the table (the rest is Ray's and Python's plumbing)
-INTERESTING = ("hybridrl/", "megatron/core/", "torch/", "vllm/", "transformers/")
+INTERESTING = ("hybridrl/", "megatron", "core/", "torch/", "vllm/", "transformers/")
 
 
 def fold(raw_file: Path, top: int) -> tuple[int, list[tuple[str, float]]]:
@@ -53,9 +53,11 @@ def fold(raw_file: Path, top: int) -> tuple[int, list[tuple[str, float]]]:
             name, _, where = frame.partition(" (")
             where = where.rstrip(")")
             path = where.rsplit(":", 1)[0]
-            if not any(key in path for key in INTERESTING):
+            if not any(path.startswith(key) or f"/{key}" in path for key in INTERESTING):
                 continue
             short = path.split("site-packages/")[-1].split("/work/")[-1]
+            if short.startswith("core/"):  # py-spy shortens megatron/core/... to core/...
+                short = "megatron/" + short
             key = f"{name} ({short})"
             if key not in seen:
                 seen.add(key)

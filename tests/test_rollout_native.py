@@ -74,6 +74,8 @@ def _native_suite(model_dir: str, new_model_dir: str, tp: int) -> dict:
     out["stop_token"] = stop_token
     out["stopped"] = _plain(engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=NEW_TOKENS,
                                                                     stop_token_ids=[stop_token])))
+    out["ignored"] = _plain(engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=NEW_TOKENS,
+                                                                    stop_token_ids=[stop_token], ignore_eos=True)))
     out["short"] = _plain(engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=3)))
 
     errors = {}
@@ -173,6 +175,9 @@ def test_stop_tokens_and_max_new_tokens(results):
     for tp in (1, 2):
         r = results[tp][0]
         stop = r["stop_token"]
+        ignored = r["ignored"]  # ignore_eos: the greedy rows at full length although the stop token comes up
+        assert ignored["responses"].tolist() == r["greedy"]["responses"].tolist()
+        assert ignored["response_mask"].all() and set(ignored["finish_reasons"]) == {"length"}
         stopped = r["stopped"]
         assert stopped["responses"][0, :3].tolist() == r["greedy"]["responses"][0, :3].tolist()
         assert stopped["response_mask"][0].tolist() == [1, 1, 1] + [0] * (stopped["responses"].shape[1] - 3)

@@ -117,6 +117,10 @@ def test_stop_tokens_and_max_new_tokens(engine, outputs):
         assert reason == ("stop" if tokens[-1] == stop else "length")
         assert reason == "stop" or length == NEW_TOKENS
     assert stopped.non_tensors["finish_reasons"][0] == "stop"
+    ignored = engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=NEW_TOKENS, stop_token_ids=[stop],
+                                                      ignore_eos=True))  # fixed length: the stop is not honoured
+    assert ignored["responses"].tolist() == greedy["responses"].tolist() and ignored["response_mask"].all()
+    assert set(ignored.non_tensors["finish_reasons"]) == {"length"}
     short = engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=3))
     assert short["responses"].shape[1] == 3 and short["response_mask"].all()
     assert short["responses"].tolist() == greedy["responses"][:, :3].tolist()
