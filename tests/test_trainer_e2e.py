@@ -76,7 +76,7 @@ def test_remax_with_vllm_rollout(ray_two_devices, head_dim_32_model):
 def test_algorithm_runs_end_to_end(ray_two_devices, cost_model, algorithm):
     overrides = [f"algorithm.name={algorithm}", *CASES[algorithm]]
     if algorithm == "safe_rlhf":
-        overrides.append(f"reward.cost_model={cost_model}")
+        overrides.append(f"cost_model.model={cost_model}")
     trainer, history = run_steps(overrides)
     assert trainer.step == 2 and len(history) == 2
     n = trainer.cfg.rollout.n
