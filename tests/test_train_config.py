@@ -5,7 +5,7 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import ConfigError, load_config
-from hybridrl.trainer.cli import DEFAULT_CONFIG
+from hybridrl.trainer.train_cli import DEFAULT_CONFIG
 from hybridrl.trainer.plan import plan_run
 
 
