@@ -11,7 +11,7 @@ class AlgorithmSpec:
     needs_critic: bool  # a value model trained alongside the actor
     needs_greedy_baseline: bool  # a greedy response per prompt, generated every step
     min_samples_per_prompt: int  # rollout.n must be at least this (group baselines need >= 2)
-    needs_cost_model: bool  # a cost model or cost function (reward.cost_model / reward.cost_fn)
+    needs_cost_model: bool  # a cost model or cost function (cost_model.model / reward.cost_fn)
     uses_reference: bool = True  # KL to the reference policy (penalty or loss)
     default_kl_mode: str = "reward"  # reward: per-token penalty; loss: a loss term
     default_kl_estimator: str = "k1"  # k1 | k2 | k3 (algorithm.kl.estimator when unset)
