@@ -372,36 +372,45 @@ class RewardModel:
     def score(self, prompts: Any, responses: Any = None, metadata: list[dict] | None = None) -> torch.Tensor:
         """[B] scores of `responses`: texts, or the Rollout. `prompts`: strings (or a PromptBatch), one per
         response or one per n responses (repeated); with a Rollout they must be its prompts (checked).
-        score(rollout) scores the rollout with its own prompts."""
+        score(rollout) scores a rollout with its own prompts; score(batch) a Batch of token ids as they are
+        (a reward model without a tokenizer of its own only: a Batch has no texts to re-tokenise)."""
         if responses is None:
             prompts, responses = None, prompts
-        if isinstance(responses, (Rollout, Batch)):
-            rollout = responses
-            if prompts is not None and isinstance(rollout, Rollout):
-                _check_prompt_texts(_texts_of(prompts), rollout.prompt_texts)
+        if isinstance(responses, Batch):
+            return self._score_ids(prompts, responses)
+        if isinstance(responses, Rollout):
+            if prompts is not None:
+                _check_prompt_texts(_texts_of(prompts), responses.prompt_texts)
+            prompt_texts, texts = responses.prompt_texts, responses.texts
+            metadata = metadata or responses.metadata
         else:
             if prompts is None:
                 raise ValueError("reward_model.score(prompts, texts): texts need their prompts")
             texts = list(responses)
-            prompt_texts = _repeat_per_response(_texts_of(prompts), len(texts))
-            rollout = None
+            given = _texts_of(prompts)
+            prompt_texts = _repeat_per_response(given, len(texts))
+            n = len(texts) // len(given)
+            metadata = metadata if metadata is not None else getattr(prompts, "metadata", None)
+            if metadata is not None and n > 1 and len(metadata) * n == len(texts):
+                metadata = [m for m in metadata for _ in range(n)]
         if self.rule is not None:
-            if rollout is None:
-                n = len(texts) // len(_texts_of(prompts))
-                meta = metadata if metadata is not None else getattr(prompts, "metadata", None)
-                if meta is not None and n > 1 and len(meta) * n == len(texts):
-                    meta = [m for m in meta for _ in range(n)]
-                return self.rule.score(prompt_texts, texts, meta)
-            if not isinstance(rollout, Rollout):
-                raise TypeError("a reward function scores texts: pass the Rollout or its .texts, not a Batch")
-            return self.rule.score(rollout.prompt_texts, rollout.texts, metadata or rollout.metadata)
-        if rollout is None:
-            data = self.text.encode(prompt_texts, texts)
-        elif isinstance(rollout, Batch) or self.text.reads_ids_of(rollout.tokenizer):
-            data = _as_sequences(rollout).select(*_SEQUENCE_KEYS)
+            return self.rule.score(prompt_texts, texts, metadata)
+        if isinstance(responses, Rollout) and self.text.reads_ids_of(responses.tokenizer):
+            data = responses.sequences.select(*_SEQUENCE_KEYS)  # same tokens: no re-tokenisation
         else:
-            data = self.text.encode(rollout.prompt_texts, rollout.texts)
+            data = self.text.encode(prompt_texts, texts)
         return self.role.group.score(data)["scores"]
+
+    def _score_ids(self, prompts: Any, batch: Batch) -> torch.Tensor:
+        if self.rule is not None:
+            raise TypeError("a reward function scores texts: pass the Rollout or its .texts, not a Batch")
+        if prompts is not None:
+            raise TypeError("score(prompts, batch): a Batch holds token ids only, so its prompts cannot be checked; "
+                            "pass the Rollout or its texts, or score(batch) alone")
+        if self.text.own:
+            raise TypeError("this reward model has its own tokenizer: pass the Rollout or (prompts, texts), not a "
+                            "Batch of the actor's token ids")
+        return self.role.group.score(batch.select(*_SEQUENCE_KEYS))["scores"]
 
     def close(self) -> None:
         if self.role is not None:

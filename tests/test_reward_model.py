@@ -139,6 +139,10 @@ def test_rm_with_its_own_tokenizer_at_tp2_and_the_seed_lines(ray_two_devices, rm
         assert torch.equal(rollout_scores, texts_scores)
         with pytest.raises(ValueError, match="is not the prompt of response 0"):
             reward_model.score(PROMPTS[::-1], out)
+        with pytest.raises(TypeError, match="own tokenizer"):
+            reward_model.score(out.sequences)  # the actor's ids mean nothing to this reward model
+        with pytest.raises(TypeError, match="cannot be checked"):
+            reward_model.score(PROMPTS, out.sequences)
 
         # the seed's lines with this reward model, then with a rule reward
         beta = 0.001
