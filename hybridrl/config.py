@@ -211,7 +211,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:  # one at a time, so the error names the override that does not parse
             layers.append(OmegaConf.from_dotlist([item]))
         except (yaml.YAMLError, OmegaConfBaseException) as exc:
-            raise ConfigError(f"override {item!r} does not parse ({_one_line(exc)}); quote lists and strings "
+            raise ConfigError(f"override {item!r} does not parse ({_one_line(exc)}); write lists "
                               f"like data.train_files=[a.jsonl,b.jsonl]") from None
     try:
         for layer in layers:
