@@ -561,7 +561,8 @@ def check_prompts(tokenizer: Any, prompts: Any, sequences: Batch, caller: str) -
     for i, row in enumerate(held):
         if row != given[i // n]:
             raise ValueError(f"{caller}: prompt {i // n} is not the prompt of sequence {i}; pass the prompts the "
-                             f"sequences were generated from, in the same order")
+                             f"sequences were generated from, in the same order (they are tokenised with this "
+                             f"role's tokenizer: give it tokenizer= when its model folder has none)")
 
 
 _SEQUENCE_KEYS = ("prompts", "responses", "attention_mask", "response_mask")

@@ -7,47 +7,15 @@
 """
 from __future__ import annotations
 
-import string
-
 import pytest
 import torch
 
 import hybridrl
+from conftest import RM_VOCAB, save_rm_tokenizer
 from hybridrl.api import TextScoring, check_prompts, encode_prompts
-from hybridrl.data.tokenizer import CHARACTERS, load_tokenizer
+from hybridrl.data.tokenizer import load_tokenizer
 
 PROMPTS = ["vowels: qzkt", "vowels: bcdf", "vowels: rkjm", "vowels: lfkp"]
-RM_SPECIALS = ("<pad>", "<unk>", "<|bos|>", "<|eos|>")
-# not the actor's 64-character vocabulary: other ids for every character, 96 tokens
-RM_VOCAB = RM_SPECIALS + tuple(reversed(CHARACTERS)) + tuple(string.ascii_uppercase) + tuple("@$%&^~")
-RM_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{{ eos_token }}"
-
-
-def _save_rm_tokenizer(folder, chat_template: bool) -> None:
-    from tokenizers import Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(RM_VOCAB)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.add_special_tokens(list(RM_SPECIALS))
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 2)])
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    if chat_template:
-        fast.chat_template = RM_CHAT_TEMPLATE
-    fast.save_pretrained(str(folder))
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory):
-    """A tiny LlamaForSequenceClassification over RM_VOCAB, with its tokenizer and chat template."""
-    from hybridrl.models.tiny import create_tiny_model
-
-    folder = create_tiny_model(tmp_path_factory.mktemp("rm") / "rm", "llama", vocab_size=len(RM_VOCAB), hidden=32,
-                               layers=2, heads=4, kv_heads=2, head="seq_cls", seed=7)
-    _save_rm_tokenizer(folder, chat_template=True)
-    return folder
 
 
 def _rm_ids(prompt: str, response: str, chat: bool) -> list[int]:
@@ -59,26 +27,26 @@ def _rm_ids(prompt: str, response: str, chat: bool) -> list[int]:
     return [index["<|bos|>"]] + chars(prompt + response)
 
 
-def _hf_scores(rm_dir, prompts, responses, chat: bool) -> torch.Tensor:
+def _hf_scores(rm_own_tokenizer, prompts, responses, chat: bool) -> torch.Tensor:
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(str(rm_dir), dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(str(rm_own_tokenizer), dtype=torch.float32)
     with torch.no_grad():
         return torch.tensor([model(input_ids=torch.tensor([_rm_ids(p, r, chat)])).logits[0, 0].item()
                              for p, r in zip(prompts, responses)])
 
 
 # ---- without Ray ---------------------------------------------------------------------------------------
-def test_text_scoring_tokenizes_with_the_rm_tokenizer(rm_dir, tmp_path):
+def test_text_scoring_tokenizes_with_the_rm_tokenizer(rm_own_tokenizer, tmp_path):
     actor_tok = load_tokenizer(None)
-    chat = TextScoring(str(rm_dir))  # the folder declares a chat template: used by default
+    chat = TextScoring(str(rm_own_tokenizer))  # the folder declares a chat template: used by default
     assert chat.chat_template and not chat.reads_ids_of(actor_tok)
     batch = chat.encode(["ab", "xyz?"], ["c", ""])
     for row, (p, r) in enumerate([("ab", "c"), ("xyz?", "")]):
         ids = torch.cat([batch["prompts"][row], batch["responses"][row]])
         mask = batch["attention_mask"][row].bool()
         assert ids[mask].tolist() == _rm_ids(p, r, chat=True)
-    plain = TextScoring(str(rm_dir), chat_template=False)
+    plain = TextScoring(str(rm_own_tokenizer), chat_template=False)
     assert plain.texts_to_ids(["ab"], ["c"]) == [_rm_ids("ab", "c", chat=False)]
     assert not plain.reads_ids_of(actor_tok)  # another vocabulary: re-tokenise
 
@@ -87,9 +55,9 @@ def test_text_scoring_tokenizes_with_the_rm_tokenizer(rm_dir, tmp_path):
     bare = create_tiny_model(tmp_path / "bare", vocab_size=64, hidden=32, layers=1, head="seq_cls")
     assert TextScoring(str(bare)).reads_ids_of(actor_tok)  # no tokenizer of its own: reads the actor's ids
     assert TextScoring(str(bare), tokenizer=actor_tok, chat_template=False).reads_ids_of(load_tokenizer(None))
-    _save_rm_tokenizer(tmp_path / "plain_tok", chat_template=False)
+    save_rm_tokenizer(tmp_path / "plain_tok", chat_template=False)
     with pytest.raises(ValueError, match="no chat template"):
-        TextScoring(str(rm_dir), tokenizer=str(tmp_path / "plain_tok"), chat_template=True)
+        TextScoring(str(rm_own_tokenizer), tokenizer=str(tmp_path / "plain_tok"), chat_template=True)
     with pytest.raises(ValueError, match="no Hugging Face model folder"):
         hybridrl.RewardModel(model=str(tmp_path / "nowhere"))
 
@@ -121,7 +89,7 @@ def _seed_step(actor, ref_policy, reward_model, batch, beta):
 
 
 @pytest.mark.slow
-def test_rm_with_its_own_tokenizer_at_tp2_and_the_seed_lines(ray_two_devices, rm_dir):
+def test_rm_with_its_own_tokenizer_at_tp2_and_the_seed_lines(ray_two_devices, rm_own_tokenizer):
     from hybridrl.data.tasks import charset_reward
 
     pool = hybridrl.ResourcePool(devices=2)
@@ -129,12 +97,12 @@ def test_rm_with_its_own_tokenizer_at_tp2_and_the_seed_lines(ray_two_devices, rm
         actor = hybridrl.Actor(parallel={"tp": 2}, rollout={"tp": 1, "max_new_tokens": 8}, resource_pool=pool,
                                optim={"lr": 1e-2})
         ref_policy = hybridrl.ReferencePolicy(resource_pool=pool)
-        reward_model = hybridrl.RewardModel(model=str(rm_dir), resource_pool=pool, parallel={"tp": 2})
+        reward_model = hybridrl.RewardModel(model=str(rm_own_tokenizer), resource_pool=pool, parallel={"tp": 2})
         assert reward_model.role.layout.tp == 2
         out = actor.generate_sequences(PROMPTS, seed=5)
         texts_scores = reward_model.score(PROMPTS, out.texts)
         rollout_scores = reward_model.score(PROMPTS, out)  # other vocabulary: re-tokenised from the texts
-        expected = _hf_scores(rm_dir, PROMPTS, out.texts, chat=True)
+        expected = _hf_scores(rm_own_tokenizer, PROMPTS, out.texts, chat=True)
         assert (texts_scores - expected).abs().max() <= 1e-5
         assert torch.equal(rollout_scores, texts_scores)
         with pytest.raises(ValueError, match="is not the prompt of response 0"):
@@ -148,7 +116,7 @@ def test_rm_with_its_own_tokenizer_at_tp2_and_the_seed_lines(ray_two_devices, rm
         beta = 0.001
         batch = {"prompt": PROMPTS}
         out, rewards, kl, metrics = _seed_step(actor, ref_policy, reward_model, batch, beta)
-        assert (rewards - _hf_scores(rm_dir, PROMPTS, out.texts, chat=True)).abs().max() <= 1e-5
+        assert (rewards - _hf_scores(rm_own_tokenizer, PROMPTS, out.texts, chat=True)).abs().max() <= 1e-5
         assert metrics["update_ok"] == 1.0 and kl.shape == out.mask.shape
         rule_rm = hybridrl.RewardModel(fn=charset_reward)
         out, rewards, kl, metrics = _seed_step(actor, ref_policy, rule_rm, batch, beta)
