@@ -51,10 +51,16 @@ def run_steps(overrides: list[str]) -> tuple[RLTrainer, list[dict]]:
 def test_remax_with_a_reward_model_of_another_vocabulary(ray_two_devices, rm_own_tokenizer):
     """reward_model: its own section (micro-batch, dtype) and its own tokenizer + chat template: the trainer
     hands it the rollout, which it re-tokenises (the actor's ids mean nothing to it)."""
-    trainer, history = run_steps(["algorithm.name=remax", *TP2, "rollout.n=2", f"reward_model.model={rm_own_tokenizer}",
-                                  "reward_model.micro_batch_size=3", "ref.micro_batch_size=5"])
-    reward = trainer.roles["reward"]
-    assert reward.rule is None and reward.text.chat_template and not reward.text.reads_ids_of(trainer.tokenizer)
+    cfg = load_config(None, COMMON + ["algorithm.name=remax", *TP2, "rollout.n=2", "reward_model.micro_batch_size=3",
+                                      f"reward_model.model={rm_own_tokenizer}"])
+    trainer = RLTrainer(cfg, plan_run(cfg))
+    try:
+        trainer.start()
+        reward = trainer.roles["reward"]
+        assert reward.rule is None and reward.text.chat_template and not reward.text.reads_ids_of(trainer.tokenizer)
+        history = [trainer.train_step() for _ in range(cfg.trainer.steps)]
+    finally:
+        trainer.close()
     for metrics in history:
         assert metrics["actor/update_ok"] == 1.0 and math.isfinite(metrics["reward_mean"])
         assert metrics["reward_mean"] != 0.0 and "baseline_reward_mean" in metrics
