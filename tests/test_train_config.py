@@ -32,6 +32,7 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
     (["algorithm.name=grpo", "rollout.n=1"], "rollout.n >= 2"),
     (["algorithm.name=safe_rlhf"], "cost"),
     (["reward.fn=no_such_module:score"], "cannot import"),
+    (["reward.cost_fn=hybridrl.data.tasks:digit_cost"], "uses no cost signal"),  # would be ignored
     (["algorithm.mini_batch_size=5"], "mini_batch_size"),
     (["rollout.engine=sglang"], "rollout.engine"),
     (["ref.parallel.tp=1", "ref.parallel.pp=2"], "colocated roles share one layout"),

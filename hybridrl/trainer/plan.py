@@ -116,6 +116,8 @@ def plan_run(cfg: Any) -> RunPlan:
         spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check(spec.needs_cost_model or not has_cost,
+           f"algorithm {alg.name!r} uses no cost signal: unset cost_model.model / reward.cost_fn (safe_rlhf uses them)")
     _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
     _check(roll.engine in ENGINES, f"rollout.engine={roll.engine!r}; choose one of {list(ENGINES)}")
     _check(roll.pp == 1, f"rollout.pp={roll.pp}: generation pipeline parallelism is not supported; set rollout.pp=1")
