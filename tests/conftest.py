@@ -73,7 +73,8 @@ def llama_8_heads_logits(llama_8_heads):
 RM_SPECIALS = ("<pad>", "<unk>", "<|bos|>", "<|eos|>")
 # not the actor's 64-character vocabulary (hybridrl.data.tokenizer): other ids for every character, 96 tokens
 RM_VOCAB = RM_SPECIALS + tuple(reversed(CHARACTERS)) + tuple(string.ascii_uppercase) + tuple("@$%&^~")
-RM_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{{ eos_token }}"
+RM_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                    "{{ eos_token }}")
 
 
 def save_rm_tokenizer(folder, chat_template: bool) -> None:

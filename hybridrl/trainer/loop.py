@@ -105,7 +105,8 @@ class RLTrainer:
                 c = cfg.critic
                 self.roles[role] = Critic(plan.roles[role].model_path, pool(role), parallel(role), dict(c.optim),
                                           c.micro_batch_size, c.model.dtype, seed, role=role, call_timeout_s=timeout)
-        for role, fn, section in (("reward", plan.reward_fn, cfg.reward_model), ("cost", plan.cost_fn, cfg.cost_model)):
+        scorers = (("reward", plan.reward_fn, cfg.reward_model), ("cost", plan.cost_fn, cfg.cost_model))
+        for role, fn, section in scorers:
             if role in plan.roles:
                 self.roles[role] = RewardModel(model=plan.roles[role].model_path, resource_pool=pool(role),
                                                parallel=parallel(role), micro_batch_size=section.micro_batch_size,
