@@ -17,13 +17,18 @@ CORE = [
     "matplotlib",
 ]
 
+# data-only packages: the top-level folders a user reads and edits, installed as hybridrl/_bundled/<name>
+BUNDLED = ["hybridrl._bundled.configs", "hybridrl._bundled.launch"]
+
 setup(
     name="hybridrl",
     version="0.1.0",
     description="RL post-training for LLMs on Megatron-Core with a 3D-HybridEngine (HybridFlow)",
-    packages=find_packages(include=["hybridrl", "hybridrl.*", "megatron_patches", "megatron_patches.*"]),
-    package_data={"hybridrl": ["assets/**/*", "configs/**/*"]},
-    include_package_data=True,
+    packages=find_packages(include=["hybridrl", "hybridrl.*", "megatron_patches", "megatron_patches.*"]) + BUNDLED,
+    # the top-level configs/ and launch/ folders ship inside the package (hybridrl/bundled.py finds them)
+    package_dir={f"hybridrl._bundled.{name}": name for name in ("configs", "launch")},
+    package_data={"hybridrl": ["assets/**/*"], "hybridrl._bundled.configs": ["*.yaml", "gpu/*.yaml"],
+                  "hybridrl._bundled.launch": ["README.md", "slurm/*.sbatch", "ray/*.sh"]},
     python_requires=">=3.11",
     install_requires=CORE,
     extras_require={

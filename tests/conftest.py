@@ -1,4 +1,5 @@
 import os
+import string
 import sys
 from pathlib import Path
 
@@ -8,6 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from hybridrl.data.tokenizer import CHARACTERS  # noqa: E402  (after the path set-up above)
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +67,38 @@ def llama_8_heads_logits(llama_8_heads):
 
     input_ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     return input_ids, hf_reference(llama_8_heads, input_ids).logits
+
+
+# ---- a reward model that does not share the actor's tokenizer -------------------------------------------
+RM_SPECIALS = ("<pad>", "<unk>", "<|bos|>", "<|eos|>")
+# not the actor's 64-character vocabulary (hybridrl.data.tokenizer): other ids for every character, 96 tokens
+RM_VOCAB = RM_SPECIALS + tuple(reversed(CHARACTERS)) + tuple(string.ascii_uppercase) + tuple("@$%&^~")
+RM_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                    "{{ eos_token }}")
+
+
+def save_rm_tokenizer(folder, chat_template: bool) -> None:
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(RM_VOCAB)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(list(RM_SPECIALS))
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 2)])
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    if chat_template:
+        fast.chat_template = RM_CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def rm_own_tokenizer(tmp_path_factory):
+    """A tiny LlamaForSequenceClassification over RM_VOCAB, with its tokenizer and chat template."""
+    from hybridrl.models.tiny import create_tiny_model
+
+    folder = create_tiny_model(tmp_path_factory.mktemp("rm") / "rm", "llama", vocab_size=len(RM_VOCAB), hidden=32,
+                               layers=2, heads=4, kv_heads=2, head="seq_cls", seed=7)
+    save_rm_tokenizer(folder, chat_template=True)
+    return folder

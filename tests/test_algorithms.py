@@ -263,7 +263,7 @@ def test_algorithm_registry_and_validation():
     assert alg.validate_algorithm("grpo", samples_per_prompt=4).name == "grpo"
     with pytest.raises(ValueError, match="rollout.n >= 2"):
         alg.validate_algorithm("rloo", samples_per_prompt=1)
-    with pytest.raises(ValueError, match="reward.cost_model or reward.cost_fn"):
+    with pytest.raises(ValueError, match="cost_model.model or reward.cost_fn"):
         alg.validate_algorithm("safe_rlhf")
     with pytest.raises(ValueError, match="algorithm.name='dpo'"):
         alg.get_algorithm("dpo")

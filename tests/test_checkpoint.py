@@ -71,7 +71,7 @@ def ray_cluster():
 
 def _trainer(overrides: list[str]):
     from hybridrl.config import load_config
-    from hybridrl.trainer.cli import DEFAULT_CONFIG
+    from hybridrl.trainer.train_cli import DEFAULT_CONFIG
     from hybridrl.trainer.loop import RLTrainer
     from hybridrl.trainer.plan import plan_run
 
@@ -86,7 +86,7 @@ def _tracker(run_dir: Path):
 
 
 def _cli(overrides: list[str], capsys=None) -> tuple[int, str]:
-    from hybridrl.trainer.cli import run
+    from hybridrl.trainer.train_cli import run
 
     rc = run(argparse.Namespace(config=None, overrides=COMMON + overrides, print_config=False))
     return rc, (capsys.readouterr().err if capsys is not None else "")

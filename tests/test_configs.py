@@ -83,7 +83,7 @@ def real_shapes(tmp_path_factory) -> dict[str, dict[str, str]]:
 
 
 def _recipe_overrides(policy: str, reward: str, prompt_file: str) -> list[str]:
-    return [f"actor.model.path={policy}", f"reward.model={reward}", f"data.train_files=[{prompt_file}]"]
+    return [f"actor.model.path={policy}", f"reward_model.model={reward}", f"data.train_files=[{prompt_file}]"]
 
 
 # ---- every file ---------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def test_gpu_recipe_has_the_paper_settings(name: str):
         assert cfg.critic.model.dtype == "bfloat16"
     # HybridFlow §8 workload: 1024 prompts a batch, 1024 prompt + 1024 response tokens
     assert (cfg.data.batch_size, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens) == (1024, 1024, 1024)
-    for option in (cfg.actor.model.path, cfg.reward.model, *cfg.data.train_files):
+    for option in (cfg.actor.model.path, cfg.reward_model.model, *cfg.data.train_files):
         assert option.startswith("/path/to/")
 
 

@@ -40,11 +40,11 @@ def submit(*args: str, timeout: float = 700) -> subprocess.CompletedProcess:
 
 def submit_in_process(capsys, *args: str) -> tuple[int, str, str]:
     """`hybridrl submit` without a new interpreter (which would import every subcommand)."""
-    from hybridrl import launch_cli
+    from hybridrl.launch import submit_cli
 
     parser = argparse.ArgumentParser()
-    launch_cli.add_arguments(parser)
-    rc = launch_cli.run(parser.parse_args(list(args)))  # parse_args: what the `hybridrl` parser does
+    submit_cli.add_arguments(parser)
+    rc = submit_cli.run(parser.parse_args(list(args)))  # parse_args: what the `hybridrl` parser does
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 

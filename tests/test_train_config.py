@@ -5,7 +5,7 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import ConfigError, load_config
-from hybridrl.trainer.cli import DEFAULT_CONFIG
+from hybridrl.trainer.train_cli import DEFAULT_CONFIG
 from hybridrl.trainer.plan import plan_run
 
 
@@ -32,6 +32,7 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
     (["algorithm.name=grpo", "rollout.n=1"], "rollout.n >= 2"),
     (["algorithm.name=safe_rlhf"], "cost"),
     (["reward.fn=no_such_module:score"], "cannot import"),
+    (["reward.cost_fn=hybridrl.data.tasks:digit_cost"], "uses no cost signal"),  # would be ignored
     (["algorithm.mini_batch_size=5"], "mini_batch_size"),
     (["rollout.engine=sglang"], "rollout.engine"),
     (["ref.parallel.tp=1", "ref.parallel.pp=2"], "colocated roles share one layout"),
@@ -75,3 +76,57 @@ def test_rollout_engine_auto_picks_vllm_where_supported(tmp_path, caplog):
     model = create_tiny_model(tmp_path / "m", hidden=64, heads=2, kv_heads=2, layers=2)
     assert plan("rollout.engine=auto", f"actor.model.path={model}").rollout_engine == "vllm"
     assert plan("rollout.engine=native", f"actor.model.path={model}").rollout_engine == "native"
+
+
+@pytest.mark.parametrize("override", ["data.train_files=[a", "trainer.steps={", "actor.parallel=[1,"])
+def test_unparsable_override_is_a_one_line_config_error(override, capsys):
+    with pytest.raises(ConfigError, match="does not parse") as info:
+        load_config(DEFAULT_CONFIG, [override])
+    assert "\n" not in str(info.value) and override in str(info.value)
+    assert main(["train", override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config error" in err and "Traceback" not in err
+
+
+def test_bundled_configs_are_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    for name in ("ppo_tiny", "ppo_tiny.yaml", "configs/ppo_tiny.yaml", "gpu/remax_llama2_7b_8gpu.yaml"):
+        assert load_config(name).algorithm.name in ("ppo", "remax")
+    with pytest.raises(ConfigError, match="bundled config name"):
+        load_config("no_such_config.yaml")
+
+
+def test_reward_model_has_its_own_section(tmp_path):
+    from hybridrl.models.tiny import create_tiny_model
+
+    rm = create_tiny_model(tmp_path / "rm", vocab_size=64, hidden=32, layers=2, head="seq_cls")
+    # the reward model keeps the default pool when ref moves to its own pool
+    run = plan(f"reward_model.model={rm}", "resources.pools.refpool=2", "ref.pool=refpool", "ref.parallel.tp=1")
+    assert run.roles["ref"].pool == "refpool" and run.roles["reward"].pool == "default"
+    assert run.roles["reward"].layout == run.roles["actor"].layout and run.reward_fn is None
+    # and moves on its own
+    run = plan(f"reward_model.model={rm}", "resources.pools.rm=2", "reward_model.pool=rm",
+               "reward_model.parallel.tp=1")
+    assert run.roles["reward"].pool == "rm" and run.roles["reward"].layout.dp == 2
+    assert run.roles["ref"].pool == "default"
+    with pytest.raises(ConfigError, match="reward_model.pool='nowhere'"):
+        plan(f"reward_model.model={rm}", "reward_model.pool=nowhere")
+    with pytest.raises(ConfigError, match="reward_model.parallel"):
+        plan(f"reward_model.model={rm}", "reward_model.parallel.tp=1", "reward_model.parallel.pp=2")
+    with pytest.raises(ConfigError, match="moved to 'reward_model.model'"):
+        load_config(DEFAULT_CONFIG, [f"reward.model={rm}"])
+    with pytest.raises(ConfigError, match="moved to 'cost_model.model'"):
+        load_config(DEFAULT_CONFIG, [f"reward.cost_model={rm}"])
+
+
+def test_kl_defaults_come_from_the_algorithm(capsys):
+    grpo = load_config("grpo_tiny", ["algorithm.kl.mode=null", "algorithm.kl.estimator=null"])
+    assert (grpo.algorithm.kl.mode, grpo.algorithm.kl.estimator) == ("loss", "k3")
+    remax = load_config(DEFAULT_CONFIG, ["algorithm.kl.mode=null", "algorithm.kl.estimator=null"])
+    assert (remax.algorithm.kl.mode, remax.algorithm.kl.estimator) == ("reward", "k1")
+    switched = load_config(DEFAULT_CONFIG, ["algorithm.name=grpo", "algorithm.kl.mode=null", "rollout.n=2"])
+    assert switched.algorithm.kl.mode == "loss"
+    assert load_config(None, ["algorithm.name=grpo", "algorithm.kl.estimator=k1"]).algorithm.kl.estimator == "k1"
+    assert main(["train", "--print-config", "algorithm.name=grpo", "rollout.n=2"]) == 0
+    out = capsys.readouterr().out
+    assert "mode: loss" in out and "estimator: k3" in out

@@ -20,8 +20,8 @@ PP2 = ["actor.parallel.tp=1", "actor.parallel.pp=2", "rollout.tp=1"]
 CASES = {
     "remax": TP2 + ["rollout.n=1"],
     "ppo": PP2 + ["rollout.n=1", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=2"],
-    "grpo": TP2 + ["rollout.n=2", "algorithm.kl.mode=loss", "algorithm.kl.estimator=k3",
-                   "actor.parallel.sequence_parallel=true"],  # SP: packed widths rounded to a multiple of TP
+    # KL mode / estimator unset: GRPO's registry defaults (a loss term, k3) reach the update
+    "grpo": TP2 + ["rollout.n=2", "actor.parallel.sequence_parallel=true"],  # SP: packed widths a multiple of TP
     "rloo": PP2 + ["rollout.n=2"],
     "reinforce_pp": TP2 + ["rollout.n=1", "algorithm.kl.type=adaptive"],
     "safe_rlhf": TP2 + ["rollout.n=1"],  # + a cost model (tiny sequence classifier), see the test
@@ -46,6 +46,24 @@ def run_steps(overrides: list[str]) -> tuple[RLTrainer, list[dict]]:
     finally:
         trainer.close()
     return trainer, history
+
+
+def test_remax_with_a_reward_model_of_another_vocabulary(ray_two_devices, rm_own_tokenizer):
+    """reward_model: its own section (micro-batch, dtype) and its own tokenizer + chat template: the trainer
+    hands it the rollout, which it re-tokenises (the actor's ids mean nothing to it)."""
+    cfg = load_config(None, COMMON + ["algorithm.name=remax", *TP2, "rollout.n=2", "reward_model.micro_batch_size=3",
+                                      f"reward_model.model={rm_own_tokenizer}"])
+    trainer = RLTrainer(cfg, plan_run(cfg))
+    try:
+        trainer.start()
+        reward = trainer.roles["reward"]
+        assert reward.rule is None and reward.text.chat_template and not reward.text.reads_ids_of(trainer.tokenizer)
+        history = [trainer.train_step() for _ in range(cfg.trainer.steps)]
+    finally:
+        trainer.close()
+    for metrics in history:
+        assert metrics["actor/update_ok"] == 1.0 and math.isfinite(metrics["reward_mean"])
+        assert metrics["reward_mean"] != 0.0 and "baseline_reward_mean" in metrics
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +94,7 @@ def test_remax_with_vllm_rollout(ray_two_devices, head_dim_32_model):
 def test_algorithm_runs_end_to_end(ray_two_devices, cost_model, algorithm):
     overrides = [f"algorithm.name={algorithm}", *CASES[algorithm]]
     if algorithm == "safe_rlhf":
-        overrides.append(f"reward.cost_model={cost_model}")
+        overrides.append(f"cost_model.model={cost_model}")
     trainer, history = run_steps(overrides)
     assert trainer.step == 2 and len(history) == 2
     n = trainer.cfg.rollout.n

@@ -11,9 +11,10 @@ class AlgorithmSpec:
     needs_critic: bool  # a value model trained alongside the actor
     needs_greedy_baseline: bool  # a greedy response per prompt, generated every step
     min_samples_per_prompt: int  # rollout.n must be at least this (group baselines need >= 2)
-    needs_cost_model: bool  # a cost model or cost function (reward.cost_model / reward.cost_fn)
+    needs_cost_model: bool  # a cost model or cost function (cost_model.model / reward.cost_fn)
     uses_reference: bool = True  # KL to the reference policy (penalty or loss)
     default_kl_mode: str = "reward"  # reward: per-token penalty; loss: a loss term
+    default_kl_estimator: str = "k1"  # k1 | k2 | k3 (algorithm.kl.estimator when unset)
     description: str = ""
 
 
@@ -27,6 +28,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
                       needs_cost_model=False, description="PPO with a critic and GAE (Ouyang et al. 2022)"),
         AlgorithmSpec("grpo", "grpo_outcome", needs_critic=False, needs_greedy_baseline=False,
                       min_samples_per_prompt=2, needs_cost_model=False, default_kl_mode="loss",
+                      default_kl_estimator="k3",
                       description="group-normalised outcome advantage (Shao et al. 2024)"),
         AlgorithmSpec("rloo", "rloo", needs_critic=False, needs_greedy_baseline=False, min_samples_per_prompt=2,
                       needs_cost_model=False, description="REINFORCE leave-one-out (Ahmadian et al. 2024)"),
@@ -54,7 +56,7 @@ def validate_algorithm(name: str, samples_per_prompt: int = 1, has_cost: bool = 
         raise ValueError(f"algorithm {name!r} compares samples of the same prompt: set rollout.n >= "
                          f"{spec.min_samples_per_prompt} (got rollout.n={samples_per_prompt})")
     if spec.needs_cost_model and not has_cost:
-        raise ValueError(f"algorithm {name!r} needs a cost signal: set reward.cost_model or reward.cost_fn")
+        raise ValueError(f"algorithm {name!r} needs a cost signal: set cost_model.model or reward.cost_fn")
     if kl_mode not in ("reward", "loss"):
         raise ValueError(f"algorithm.kl.mode={kl_mode!r} is unknown; choose reward or loss")
     return spec

@@ -17,7 +17,7 @@ DEFAULT_OBJECT_STORE_BYTES = 512 << 20  # <= 1 GiB on small machines
 
 
 def _ray_environment() -> None:
-    # Set before ray is imported/started; each is a measured pitfall (see FACTS.md "Ray").
+    # Set before ray is imported/started; each avoids a pitfall seen with Ray 2.60 on one machine.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # head and clients must agree on auth, else clients retry for minutes; loopback needs no token
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -267,7 +267,7 @@ def run_node(args: argparse.Namespace) -> int:
     ports = node_ports(args.port_base, args.node_index, args.ip_mode == "loopback")
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HYBRIDRL_NODE_NAME=args.node_name,
                HYBRIDRL_NODE_IP=ip)
-    env.setdefault("RAY_AUTH_MODE", "disabled")  # every node and the driver must agree (FACTS.md)
+    env.setdefault("RAY_AUTH_MODE", "disabled")  # every node and the driver must agree (a mismatch: minutes of retries)
     # Ray's startup waits (agent port files, node registration) are tight for busy nodes
     env.setdefault("RAY_agent_register_timeout_ms", "120000")
     env.setdefault("RAY_worker_niceness", "0")  # workers are the compute: not below Ray's own daemons

@@ -8,8 +8,8 @@ d_g = p*t / (p_g*t_g). With strides s_t = t/t_g and s_p = p/p_g, training rank (
   - its generation TP group is the ranks of the same dp, micro-DP rank and gen_pp with varying gen_tp
     (ranks at stride s_t in TP); its generation PP group likewise varies gen_pp (stride s_p in PP);
   - generation DP replicas: d * d_g, replica index dp * d_g + micro-DP rank.
-Example (FACTS.md): training 1-4-2 -> t_g=2: generation TP groups [0,2],[1,3],[4,6],[5,7]; micro-DP groups
-[0,1],[2,3],[4,5],[6,7].
+Example (HybridFlow §5, arXiv 2409.19256): training 1-4-2 -> t_g=2: generation TP groups [0,2],[1,3],[4,6],[5,7];
+micro-DP groups [0,1],[2,3],[4,5],[6,7].
 """
 from __future__ import annotations
 

@@ -107,12 +107,14 @@ class RLTrainer:
                 self.roles[role] = Critic(plan.roles[role].model_path, pool(role), parallel(role), dict(c.optim),
                                           c.micro_batch_size, c.max_tokens_per_micro_batch, c.model.dtype, seed,
                                           role=role, call_timeout_s=timeout)
-        for role, fn in (("reward", plan.reward_fn), ("cost", plan.cost_fn)):
+        scorers = (("reward", plan.reward_fn, cfg.reward_model), ("cost", plan.cost_fn, cfg.cost_model))
+        for role, fn, section in scorers:
             if role in plan.roles:
                 self.roles[role] = RewardModel(model=plan.roles[role].model_path, resource_pool=pool(role),
-                                               parallel=parallel(role), micro_batch_size=cfg.ref.micro_batch_size,
-                                               max_tokens_per_micro_batch=cfg.ref.max_tokens_per_micro_batch,
-                                               dtype=cfg.ref.model.dtype, seed=seed, role=role,
+                                               parallel=parallel(role), micro_batch_size=section.micro_batch_size,
+                                               max_tokens_per_micro_batch=section.max_tokens_per_micro_batch,
+                                               dtype=section.dtype, tokenizer=section.tokenizer,
+                                               chat_template=section.chat_template, seed=seed, role=role,
                                                call_timeout_s=timeout)
             elif fn:
                 self.roles[role] = RewardModel(fn=fn, num_workers=cfg.reward.num_workers)
@@ -216,7 +218,9 @@ class RLTrainer:
         return metrics
 
     def _score(self, role: str, rollout: Any) -> torch.Tensor:
-        return self.roles[role].score(None, rollout).float()
+        # the rollout carries its prompts (one per response): a reward model reuses the token ids when it
+        # shares the actor's tokenizer, else re-tokenizes prompt + response text with its own
+        return self.roles[role].score(rollout.prompt_texts, rollout).float()
 
     def _finite_scores(self, *scores: torch.Tensor | None) -> bool:
         """False (skip the step) when a reward / cost is NaN or inf and trainer.on_nan=skip; raises on stop."""

@@ -18,6 +18,8 @@ from hybridrl.parallel.layout import LayoutError, ParallelLayout
 logger = logging.getLogger(__name__)
 
 DEFAULT_POOL = "default"
+# the config section of each role whose name differs from it (critics share `critic:`)
+ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic"}
 
 
 @dataclass
@@ -132,11 +134,13 @@ def plan_run(cfg: Any) -> RunPlan:
     from hybridrl.algorithms.kl_control import KL_CONTROLLER_TYPES
 
     alg, roll, data, res, tr = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources, cfg.trainer
-    has_cost = bool(cfg.reward.cost_model or cfg.reward.cost_fn)
+    has_cost = bool(cfg.cost_model.model or cfg.reward.cost_fn)
     try:
         spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check(spec.needs_cost_model or not has_cost,
+           f"algorithm {alg.name!r} uses no cost signal: unset cost_model.model / reward.cost_fn (safe_rlhf uses them)")
     _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
     _check(roll.engine in ("auto",) + tuple(ENGINES),
            f"rollout.engine={roll.engine!r}; choose auto or one of {list(ENGINES)}")
@@ -162,7 +166,7 @@ def plan_run(cfg: Any) -> RunPlan:
            f"rollout.max_model_len={max_len} < data.max_prompt_length + rollout.max_new_tokens = "
            f"{data.max_prompt_length + roll.max_new_tokens}; raise it or leave it unset")
     plan.max_model_len = max_len
-    for role in ("actor", "ref", "critic"):
+    for role in ("actor", "ref", "critic", "reward_model", "cost_model"):
         budget = cfg[role].max_tokens_per_micro_batch
         _check(budget is None or budget >= max_len,
                f"{role}.max_tokens_per_micro_batch={budget} is below the longest sequence (data.max_prompt_length + "
@@ -179,37 +183,37 @@ def plan_run(cfg: Any) -> RunPlan:
         wanted.append("critic")
     if spec.needs_cost_model:
         wanted.append("cost_critic")
-    if cfg.reward.model:
+    if cfg.reward_model.model:
         wanted.append("reward")
-    if spec.needs_cost_model and cfg.reward.cost_model:
+    if spec.needs_cost_model and cfg.cost_model.model:
         wanted.append("cost")
     role_cfgs = {"actor": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "cost_critic": cfg.critic,
-                 "reward": cfg.ref, "cost": cfg.ref}
+                 "reward": cfg.reward_model, "cost": cfg.cost_model}
     actor_path = _model_dir(cfg.actor.model.path, "actor.model.path")
     paths = {"actor": actor_path,
              "ref": _model_dir(cfg.ref.model.path, "ref.model.path") if cfg.ref.model.path else actor_path,
              "critic": _model_dir(cfg.critic.model.path, "critic.model.path") if cfg.critic.model.path else actor_path,
-             "reward": cfg.reward.model and _model_dir(cfg.reward.model, "reward.model"),
-             "cost": cfg.reward.cost_model and _model_dir(cfg.reward.cost_model, "reward.cost_model")}
+             "reward": cfg.reward_model.model and _model_dir(cfg.reward_model.model, "reward_model.model"),
+             "cost": cfg.cost_model.model and _model_dir(cfg.cost_model.model, "cost_model.model")}
     paths["cost_critic"] = paths["critic"]
     held: dict[str, tuple[str, ParallelLayout]] = {}  # pool -> (first role, its layout): colocated roles share it
     for role in wanted:
-        role_cfg = role_cfgs[role]
+        role_cfg, option = role_cfgs[role], ROLE_SECTIONS.get(role, role)
         pool = role_cfg.pool
-        _check(pool in pools, f"{role}.pool={pool!r} is not a pool; define resources.pools.{pool}=<devices> "
+        _check(pool in pools, f"{option}.pool={pool!r} is not a pool; define resources.pools.{pool}=<devices> "
                               f"or use {sorted(pools)}")
-        layout = _layout(role, role_cfg, pools[pool], pool)
+        layout = _layout(option, role_cfg, pools[pool], pool)
         if pool in held:
             first, shared = held[pool]
             explicit = (role_cfg.parallel.tp, role_cfg.parallel.pp) != (1, 1)
             _check(not explicit or (layout.tp, layout.pp) == (shared.tp, shared.pp),
-                   f"{role}.parallel (tp={layout.tp}, pp={layout.pp}) differs from {first}'s (tp={shared.tp}, "
+                   f"{option}.parallel (tp={layout.tp}, pp={layout.pp}) differs from {first}'s (tp={shared.tp}, "
                    f"pp={shared.pp}) on the shared pool {pool!r}: colocated roles share one layout; drop "
-                   f"{role}.parallel or put {role} on its own pool ({role}.pool + resources.pools)")
+                   f"{option}.parallel or put {role} on its own pool ({option}.pool + resources.pools)")
             layout = shared
         else:
             held[pool] = (role, layout)
-        _check_model_fits(role, paths[role], layout)
+        _check_model_fits(option, paths[role], layout)
         plan.roles[role] = RolePlan(role, pool, layout, paths[role])
 
     actor = plan.roles["actor"].layout
@@ -235,9 +239,11 @@ def plan_run(cfg: Any) -> RunPlan:
     from hybridrl.data.tasks import task_reward_path
     from hybridrl.workers.rule_reward import load_reward_fn
 
-    if not cfg.reward.model:
+    _check(not (cfg.reward_model.model and cfg.reward.fn),
+           "both reward_model.model and reward.fn are set: score with one (unset the other)")
+    if not cfg.reward_model.model:
         plan.reward_fn = cfg.reward.fn or task_reward_path()
-    if spec.needs_cost_model and not cfg.reward.cost_model:
+    if spec.needs_cost_model and not cfg.cost_model.model:
         plan.cost_fn = cfg.reward.cost_fn
     for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):
         if path:

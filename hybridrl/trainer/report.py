@@ -1,4 +1,4 @@
-"""`hybridrl report RUN_DIR`: plots (PNG) and a Markdown summary of a run's metrics.jsonl.
+"""Plots (PNG) and a Markdown summary of a run's metrics.jsonl (`hybridrl report`, trainer/report_cli.py).
 
 Writes into RUN_DIR/report (or --out): reward.png (mean +- std), kl.png (KL and its coefficient),
 throughput.png (tokens/s), stage_times.png (stacked seconds per stage, with the step total) and
@@ -7,11 +7,9 @@ A plot whose metrics the run never logged is left out (and the summary says so).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -310,20 +308,3 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     markdown.write_text(render_markdown(run_dir.resolve(), summary, plots, config_text))
     logger.info("report for %d steps written to %s", summary.steps, out)
     return Report(out_dir=out, markdown=markdown, plots=plots, summary=summary)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run's folder (holds metrics.jsonl)")
-    parser.add_argument("--out", metavar="DIR", default=None,
-                        help="where to write report.md and the PNGs (default: RUN_DIR/report)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        report = write_report(args.run_dir, args.out)
-    except ReportError as exc:
-        print(f"hybridrl report: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {report.markdown} and {len(report.plots)} plots: "
-          f"{', '.join(p.name for p in report.plots) or 'none'}")
-    return 0

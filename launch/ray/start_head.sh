@@ -7,13 +7,14 @@
 #   HYBRIDRL_IP_MODE (auto | iface:NAME | an IPv4 address | loopback for a one-host test),
 #   HYBRIDRL_NODE_NAME (short hostname), HYBRIDRL_RAY_TMP (node-local, short), PYTHON (python).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+CHECKOUT=$(cd "$(dirname "$0")/../.." && pwd)
 PYTHON=${PYTHON:-python}
 PORT_BASE=${HYBRIDRL_RAY_PORT_BASE:-20000}
 IP_MODE=${HYBRIDRL_IP_MODE:-auto}
 NODE_NAME=${HYBRIDRL_NODE_NAME:-$(hostname -s)}
 RAY_TMP=${HYBRIDRL_RAY_TMP:-/tmp/hr-ray-$(id -un)-$PORT_BASE}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# run from a source checkout: its hybridrl; the copy installed with the package: the installed one
+[[ -f $CHECKOUT/setup.py ]] && export PYTHONPATH=$CHECKOUT${PYTHONPATH:+:$PYTHONPATH}
 export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 
 IP=$("$PYTHON" -m hybridrl.launch.ray_node ip --ip-mode "$IP_MODE" --node-index 0)

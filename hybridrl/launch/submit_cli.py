@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from hybridrl.bundled import IMPORT_ROOT, bundled_dir
 from hybridrl.launch.slurm_query import SlurmRequestError, check_request, job_state
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TEMPLATE = REPO_ROOT / "launch" / "slurm" / "hybridrl.sbatch"
+DEFAULT_TEMPLATE = bundled_dir("launch") / "slurm" / "hybridrl.sbatch"
 TIME_FORMAT = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}"
                          r"|UNLIMITED|INFINITE)$")
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -124,10 +124,12 @@ def _train_command(args: argparse.Namespace) -> JobCommand:
     """`hybridrl train CONFIG overrides...` for the job, with the config checked against the request:
     every resource pool spans all --nodes with the same number of devices on each (one Ray "GPU" per
     device), and the pools fit into --nodes x --gpus-per-node."""
-    from hybridrl.config import ConfigError, load_config
+    from hybridrl.config import ConfigError, find_config, load_config
 
-    if not Path(args.config).is_file():
-        raise SlurmRequestError(f"config {args.config} does not exist")
+    try:
+        args.config = str(find_config(args.config))  # a path, or a bundled config by name
+    except ConfigError as exc:
+        raise SlurmRequestError(str(exc)) from None
     overrides = list(args.overrides)
     bad = [o for o in overrides if "=" not in o]
     if bad:
@@ -248,7 +250,8 @@ def render_script(args: argparse.Namespace, job: JobCommand) -> str:
         "sbatch_directives": "\n".join(sbatch_directives(args, job.run_dir)),
         "python": shlex.quote(args.python),
         "run_dir": shlex.quote(str(job.run_dir)),
-        "repo_root": shlex.quote(str(REPO_ROOT)),
+        # the job imports the hybridrl this command runs (a checkout or an install): put its root first
+        "import_root": shlex.quote(str(IMPORT_ROOT)),
         "ip_mode": shlex.quote(args.ip_mode),
         "gpus_per_node": str(args.gpus_per_node),
         "join_timeout": str(args.ray_join_timeout),
