@@ -169,7 +169,7 @@ def test_impossible_requests_fail_before_submission(slurm, tmp_path, capsys):
         rc, _, err = submit_in_process(capsys, *base, *args)
         assert rc == 2 and message in err, (args, err)
     rc, _, err = submit_in_process(capsys, "configs/does-not-exist.yaml", "--nodes", "1", "--gpus-per-node", "0")
-    assert rc == 2 and "config configs/does-not-exist.yaml does not exist" in err
+    assert rc == 2 and "config file 'configs/does-not-exist.yaml' not found" in err, err
     rc, _, err = submit_in_process(capsys, "--command", "true", "x=1", "--nodes", "1", "--gpus-per-node", "0")
     assert rc == 2 and "--command replaces `hybridrl train CONFIG ...`" in err
     assert not (tmp_path / "never").exists()
