@@ -296,8 +296,17 @@ def test_small_transfers_share_packed_collectives():
     for p in gather.parts:
         slots[p.member] += schedule.piece_numel(p)
     assert len(set(slots.values())) == 1 and len(slots) == 4
+    # the embedding's TP halves (first stage) and the output layer's (last stage) come from 4 different
+    # members: they travel in the all-gather, not in one broadcast per sender
+    vocab = [p for p in gather.parts if p.src.split(".")[-2] in ("word_embeddings", "output_layer")]
+    assert sorted(p.member for p in vocab) == [0, 1, 2, 3]
     tiny = InPlaceSchedule(groups, member_meta, None, 8)
-    assert not any(op.packed for op in tiny.ops) and len(tiny.ops) == len(tiny.transfers)
+    assert not any(op.packed for op in tiny.ops)
+    assert Counter(p for op in tiny.ops for p in op.parts) == Counter(p for op in tiny.transfers for p in op.parts)
+    broadcast_parts = {op.parts[0] for op in tiny.transfers if op.kind == "broadcast"}
+    for op in tiny.ops:  # each op is a transfer, or one broadcast piece from every member merged
+        assert op in tiny.transfers or (op.kind == "gather" and set(op.parts) <= broadcast_parts
+                                        and [p.member for p in op.parts] == [0, 1, 2, 3]), op
 
 
 @pytest.mark.parametrize("prefix", ["decoder.layers.", "model.layers."])

@@ -83,7 +83,7 @@ class InPlaceSchedule:
         # to one bucket (a collective's fixed cost dwarfs copying a small tensor once)
         self.transfers = self._schedule(bucket_elems)
         alone = max(1, bucket_elems // 8) if alone_elems is None else alone_elems
-        self.ops = self._coalesce(self.transfers, bucket_elems, alone)
+        self.ops = self._coalesce(self._merge_broadcasts(self.transfers), bucket_elems, alone)
 
     def _stage(self, pp_off: int) -> list[tuple[str, object]]:
         """(stage-local key, meta) of a merged training stage, in training order."""
@@ -136,6 +136,24 @@ class InPlaceSchedule:
                     for part in parts:
                         ops += self._split("broadcast", [part], bucket_elems)
         return ops
+
+    def _merge_broadcasts(self, transfers: list[Op]) -> list[Op]:
+        """One broadcast of an equal-shaped piece from each member (e.g. the embedding's TP halves from the first
+        stage and the output layer's from the last) is one all-gather, each piece into its own place: all
+        members send at once instead of one sender after another. Same pieces, same bytes."""
+        by_shape: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        for i, op in enumerate(transfers):
+            if op.kind == "broadcast":
+                by_shape.setdefault(self._piece_shape(op.parts[0]), {}).setdefault(op.parts[0].member, []).append(i)
+        merged: dict[int, Op] = {}
+        for senders in by_shape.values():
+            if self.d_g < 2 or len(senders) < self.d_g:
+                continue
+            for k in range(min(len(found) for found in senders.values())):
+                indices = [senders[member][k] for member in range(self.d_g)]  # parts in member order
+                merged[min(indices)] = Op("gather", tuple(transfers[i].parts[0] for i in indices))
+                merged.update({i: None for i in indices if i != min(indices)})
+        return [merged.get(i, op) for i, op in enumerate(transfers) if merged.get(i, op) is not None]
 
     def _coalesce(self, transfers: list[Op], bucket_elems: int, alone_elems: int) -> list[Op]:
         """Group small transfers into packed collectives (gathers together, broadcasts by sender), each
