@@ -90,7 +90,8 @@ class KLConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "remax"  # remax | ppo | grpo | rloo | reinforce_pp | safe_rlhf
+    name: str = "remax"  # a registered algorithm: remax | ppo | grpo | rloo | reinforce_pp | safe_rlhf | yours
+    module: Optional[str] = None  # a module to import first: its @register_algorithm adds algorithms by name
     gamma: float = 1.0
     lam: float = 0.95
     clip_ratio: float = 0.2
@@ -232,8 +233,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def apply_algorithm_defaults(cfg: DictConfig) -> None:
     """Fill the options the user left unset (None) with the algorithm's registry defaults, so the resolved
     config (and --print-config) shows what runs. An unknown algorithm is left for plan_run to refuse."""
-    from hybridrl.algorithms.registry import ALGORITHMS
+    from hybridrl.algorithms.registry import ALGORITHMS, import_algorithm_module
 
+    if cfg.algorithm.module:
+        try:
+            import_algorithm_module(cfg.algorithm.module)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     spec = ALGORITHMS.get(cfg.algorithm.name)
     if spec is None:
         return

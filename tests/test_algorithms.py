@@ -255,18 +255,47 @@ def test_lagrange_multiplier_updates():
 
 
 def test_algorithm_registry_and_validation():
-    assert set(alg.ALGORITHMS) == {"remax", "ppo", "grpo", "rloo", "reinforce_pp", "safe_rlhf"}
+    assert {"remax", "ppo", "grpo", "rloo", "reinforce_pp", "safe_rlhf"} <= set(alg.ALGORITHMS)
     assert alg.ALGORITHMS["remax"].needs_greedy_baseline and not alg.ALGORITHMS["remax"].needs_critic
     assert alg.ALGORITHMS["ppo"].needs_critic and alg.ALGORITHMS["safe_rlhf"].needs_cost_model
-    for spec in alg.ALGORITHMS.values():  # every named estimator exists
-        assert callable(getattr(alg, spec.advantage))
+    grpo = alg.ALGORITHMS["grpo"]
+    assert (grpo.min_samples_per_prompt, grpo.default_kl_mode, grpo.default_kl_estimator) == (2, "loss", "k3")
+    for name, spec in alg.ALGORITHMS.items():  # each estimator lives in its own catalog module
+        assert spec.estimator.__module__.startswith("hybridrl.algorithms.catalog.") or name not in (
+            "remax", "ppo", "grpo", "rloo", "reinforce_pp", "safe_rlhf"), name
     assert alg.validate_algorithm("grpo", samples_per_prompt=4).name == "grpo"
     with pytest.raises(ValueError, match="rollout.n >= 2"):
         alg.validate_algorithm("rloo", samples_per_prompt=1)
     with pytest.raises(ValueError, match="cost_model.model or reward.cost_fn"):
         alg.validate_algorithm("safe_rlhf")
-    with pytest.raises(ValueError, match="algorithm.name='dpo'"):
+    with pytest.raises(ValueError, match="algorithm.name='dpo' is unknown; registered: .*grpo"):
         alg.get_algorithm("dpo")
+
+
+def test_register_algorithm_adds_a_name_and_refuses_a_clash():
+    from hybridrl.algorithms.registry import ALGORITHMS, register_algorithm
+
+    @register_algorithm("test_mean_baseline", min_samples_per_prompt=2)
+    def mean_baseline(x):
+        a, r = alg.grpo_outcome(x.sequence_scores, x.mask, x.need("index", "groups"), norm_by_std=False)
+        return alg.AdvantageResult(a, r, x.token_rewards)
+
+    try:
+        mask = torch.ones(4, 2)
+        out = alg.compute_advantages("test_mean_baseline", T([1.0, 0.0, 3.0, 1.0]), mask, index=torch.tensor([0, 0, 1, 1]))
+        # group means 0.5 and 2.0, no std: every token of a response carries its score minus its group's mean
+        assert torch.allclose(out.advantages, T([[0.5, 0.5], [-0.5, -0.5], [1.0, 1.0], [-1.0, -1.0]]))
+        with pytest.raises(ValueError, match="needs index: groups"):
+            alg.compute_advantages("test_mean_baseline", T([1.0, 0.0, 3.0, 1.0]), mask)
+
+        with pytest.raises(ValueError, match="already registered"):
+            @register_algorithm("test_mean_baseline")
+            def other(x):
+                return mean_baseline(x)
+        with pytest.raises(ValueError, match="default_kl_mode"):
+            register_algorithm("test_bad_kl", default_kl_mode="penalty")(mean_baseline)
+    finally:
+        ALGORITHMS.pop("test_mean_baseline", None)
 
 
 # ---------------------------------------------------------------- the trainer's entry point

@@ -23,7 +23,7 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
 
 @pytest.mark.parametrize("overrides,message", [
     (["actor.optim.learning_rate=1"], "learning_rate"),                       # unknown key
-    (["algorithm.name=dpo"], "choose one of"),                                # unknown algorithm
+    (["algorithm.name=dpo"], "is unknown; registered: grpo, ppo"),           # unknown algorithm
     (["actor.parallel.tp=3"], "does not divide pool"),                        # bad layout for the pool
     (["actor.parallel.tp=2", "rollout.tp=4"], "rollout.tp=4"),                # generation TP > training TP
     (["resources.devices=8", "actor.parallel.tp=8"], "num_attention_heads"),  # model heads not divisible

@@ -1,50 +1,65 @@
-"""What each RL algorithm needs, so the trainer can validate a config before any worker starts."""
+"""The algorithm registry: an algorithm is one registered unit.
+
+A module in hybridrl/algorithms/catalog/ (or a user's module, named by `algorithm.module`) decorates its
+advantage estimator with `@register_algorithm(name, ...)`, declaring in the same place the inputs the
+algorithm needs (critic, greedy baseline, cost, reference) and its config defaults. The trainer reads only
+the spec: it starts the roles the spec asks for and calls the estimator; it never branches on a name.
+"""
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from hybridrl.algorithms.base import AdvantageInputs, AdvantageResult
+
+Estimator = Callable[[AdvantageInputs], AdvantageResult]
 
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
     name: str
-    advantage: str  # the estimator in hybridrl.algorithms.advantages
-    needs_critic: bool  # a value model trained alongside the actor
-    needs_greedy_baseline: bool  # a greedy response per prompt, generated every step
-    min_samples_per_prompt: int  # rollout.n must be at least this (group baselines need >= 2)
-    needs_cost_model: bool  # a cost model or cost function (cost_model.model / reward.cost_fn)
-    uses_reference: bool = True  # KL to the reference policy (penalty or loss)
-    default_kl_mode: str = "reward"  # reward: per-token penalty; loss: a loss term
-    default_kl_estimator: str = "k1"  # k1 | k2 | k3 (algorithm.kl.estimator when unset)
-    description: str = ""
+    estimator: Estimator  # AdvantageInputs -> AdvantageResult
+    needs_critic: bool = False  # a value model trained alongside the actor (and a cost critic with a cost)
+    needs_greedy_baseline: bool = False  # a greedy response per prompt, generated every step
+    min_samples_per_prompt: int = 1  # rollout.n must be at least this (group baselines need >= 2)
+    needs_cost_model: bool = False  # a cost model or cost function (cost_model.model / reward.cost_fn)
+    uses_reference: bool = True  # KL to the reference policy (penalty or loss) when a KL coefficient is set
+    default_kl_mode: str = "reward"  # algorithm.kl.mode when unset: reward (per-token penalty) | loss
+    default_kl_estimator: str = "k1"  # algorithm.kl.estimator when unset: k1 | k2 | k3
 
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {
-    spec.name: spec
-    for spec in (
-        AlgorithmSpec("remax", "remax", needs_critic=False, needs_greedy_baseline=True, min_samples_per_prompt=1,
-                      needs_cost_model=False,
-                      description="REINFORCE with the greedy response's reward as baseline (Li et al. 2023)"),
-        AlgorithmSpec("ppo", "gae", needs_critic=True, needs_greedy_baseline=False, min_samples_per_prompt=1,
-                      needs_cost_model=False, description="PPO with a critic and GAE (Ouyang et al. 2022)"),
-        AlgorithmSpec("grpo", "grpo_outcome", needs_critic=False, needs_greedy_baseline=False,
-                      min_samples_per_prompt=2, needs_cost_model=False, default_kl_mode="loss",
-                      default_kl_estimator="k3",
-                      description="group-normalised outcome advantage (Shao et al. 2024)"),
-        AlgorithmSpec("rloo", "rloo", needs_critic=False, needs_greedy_baseline=False, min_samples_per_prompt=2,
-                      needs_cost_model=False, description="REINFORCE leave-one-out (Ahmadian et al. 2024)"),
-        AlgorithmSpec("reinforce_pp", "reinforce_plus_plus", needs_critic=False, needs_greedy_baseline=False,
-                      min_samples_per_prompt=1, needs_cost_model=False,
-                      description="REINFORCE++: KL-penalised returns, global batch whitening (Hu 2025)"),
-        AlgorithmSpec("safe_rlhf", "gae", needs_critic=True, needs_greedy_baseline=False, min_samples_per_prompt=1,
-                      needs_cost_model=True,
-                      description="PPO-Lagrangian with reward and cost critics (Dai et al. 2023)"),
-    )
-}
+ALGORITHMS: dict[str, AlgorithmSpec] = {}
+
+
+def register_algorithm(name: str, **declared) -> Callable[[Estimator], Estimator]:
+    """Decorator: register the decorated advantage estimator as algorithm `name` with the declared needs and
+    defaults (AlgorithmSpec's fields). A name registered twice by different code is refused."""
+    def decorate(estimator: Estimator) -> Estimator:
+        spec = AlgorithmSpec(name, estimator, **declared)
+        if spec.default_kl_mode not in ("reward", "loss"):
+            raise ValueError(f"algorithm {name!r}: default_kl_mode must be reward or loss")
+        known = ALGORITHMS.get(name)
+        if known is not None and known.estimator.__qualname__ != estimator.__qualname__:
+            raise ValueError(f"algorithm {name!r} is already registered by {known.estimator.__module__}")
+        ALGORITHMS[name] = spec
+        return estimator
+    return decorate
+
+
+def import_algorithm_module(module: str) -> None:
+    """Import a user's module so that its @register_algorithm runs (algorithm.module)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"algorithm.module={module!r} cannot be imported ({exc}); give an importable module "
+                         f"path (on PYTHONPATH) that registers the algorithm") from None
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
     if name not in ALGORITHMS:
-        raise ValueError(f"algorithm.name={name!r} is unknown; choose one of {sorted(ALGORITHMS)}")
+        raise ValueError(f"algorithm.name={name!r} is unknown; registered: {', '.join(sorted(ALGORITHMS))} "
+                         f"(a new one: @register_algorithm in a module named by algorithm.module)")
     return ALGORITHMS[name]
 
 

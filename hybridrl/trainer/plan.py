@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridrl.algorithms.registry import AlgorithmSpec, validate_algorithm
+from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
 from hybridrl.config import ConfigError
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
@@ -136,6 +136,8 @@ def plan_run(cfg: Any) -> RunPlan:
     alg, roll, data, res, tr = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources, cfg.trainer
     has_cost = bool(cfg.cost_model.model or cfg.reward.cost_fn)
     try:
+        if getattr(alg, "module", None):  # a config built without load_config: register the user's algorithms now
+            import_algorithm_module(alg.module)
         spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

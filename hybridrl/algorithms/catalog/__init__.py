@@ -1,0 +1,2 @@
+"""The built-in algorithms, one module each; importing this package registers them."""
+from hybridrl.algorithms.catalog import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf  # noqa: F401
