@@ -100,6 +100,11 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     mini_batch_size: Optional[int] = None  # None: one update per step over the whole batch
     kl: KLConfig = field(default_factory=KLConfig)
+    # rollout / training mismatch (algorithms/rollout_correction.py): none | tis | mis importance weights
+    # pi_old / pi_rollout, capped at rollout_correction_cap, per token or per sequence
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0
+    rollout_correction_level: str = "token"
     cost_limit: float = 0.0  # safe_rlhf
     lagrangian_lr: float = 0.05  # safe_rlhf
     lagrangian_init: float = 1.0  # safe_rlhf

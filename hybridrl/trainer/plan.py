@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
 from hybridrl.config import ConfigError
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
@@ -139,6 +140,7 @@ def plan_run(cfg: Any) -> RunPlan:
         if getattr(alg, "module", None):  # a config built without load_config: register the user's algorithms now
             import_algorithm_module(alg.module)
         spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
+        check_correction(alg.rollout_correction, alg.rollout_correction_cap, alg.rollout_correction_level)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check(spec.needs_cost_model or not has_cost,

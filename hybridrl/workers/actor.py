@@ -141,15 +141,15 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     def update(self, data: Batch, loss: dict, mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:
         """PPO-style policy update: `epochs` passes, each cut into `mini_batches` optimizer steps.
 
-        data: rollouts with "advantages" ([B, R]), "old_log_probs" (absent: on-policy) and "ref_log_probs"
-        when the loss has a KL term.
+        data: rollouts with "advantages" ([B, R]), "old_log_probs" (absent: on-policy), "ref_log_probs"
+        when the loss has a KL term, and "rollout_log_probs" (the engine's) to measure / correct the mismatch.
         """
         cfg = PolicyLossConfig(**loss)
         model = self.model
         tp_group = model.tp_group if model.tp > 1 else None
         keys = ["response_mask", "advantages"] + (["ref_log_probs"] if cfg.kl_loss_coef else [])
         missing = [k for k in keys if k not in data]
-        keys += ["old_log_probs"] if "old_log_probs" in data else []
+        keys += [k for k in ("old_log_probs", "rollout_log_probs") if k in data]
         if missing:
             raise KeyError(f"actor.update needs {missing} in the batch")
 
