@@ -103,6 +103,8 @@ class AlgorithmConfig:
     # rollout / training mismatch (algorithms/rollout_correction.py): none | tis | mis importance weights
     # pi_old / pi_rollout, capped at rollout_correction_cap, per token or per sequence
     rollout_correction: str = "none"
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm; None: the algorithm's
+    loss_agg: Optional[str] = None
     rollout_correction_cap: float = 2.0
     rollout_correction_level: str = "token"
     cost_limit: float = 0.0  # safe_rlhf
@@ -252,6 +254,8 @@ def apply_algorithm_defaults(cfg: DictConfig) -> None:
         cfg.algorithm.kl.mode = spec.default_kl_mode
     if cfg.algorithm.kl.estimator is None:
         cfg.algorithm.kl.estimator = spec.default_kl_estimator
+    if cfg.algorithm.loss_agg is None:
+        cfg.algorithm.loss_agg = spec.default_loss_agg
 
 
 def _one_line(exc: BaseException) -> str:

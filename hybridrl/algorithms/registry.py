@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridrl.algorithms.base import AdvantageInputs, AdvantageResult
+from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
 
 Estimator = Callable[[AdvantageInputs], AdvantageResult]
 
@@ -27,6 +28,7 @@ class AlgorithmSpec:
     uses_reference: bool = True  # KL to the reference policy (penalty or loss) when a KL coefficient is set
     default_kl_mode: str = "reward"  # algorithm.kl.mode when unset: reward (per-token penalty) | loss
     default_kl_estimator: str = "k1"  # algorithm.kl.estimator when unset: k1 | k2 | k3
+    default_loss_agg: str = "token_mean"  # algorithm.loss_agg when unset (algorithms/loss_agg.py)
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
@@ -39,6 +41,8 @@ def register_algorithm(name: str, **declared) -> Callable[[Estimator], Estimator
         spec = AlgorithmSpec(name, estimator, **declared)
         if spec.default_kl_mode not in ("reward", "loss"):
             raise ValueError(f"algorithm {name!r}: default_kl_mode must be reward or loss")
+        if spec.default_loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"algorithm {name!r}: default_loss_agg must be one of {LOSS_AGG_MODES}")
         known = ALGORITHMS.get(name)
         if known is not None and known.estimator.__qualname__ != estimator.__qualname__:
             raise ValueError(f"algorithm {name!r} is already registered by {known.estimator.__module__}")

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from hybridrl.algorithms import loss_agg
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel, model_spec
-from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs
+from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs, response_mask
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,10 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         def loss_terms(mb, logits):
             return actor_loss_terms(mb, logits, model.vocab_size, tp_group, cfg)
 
-        return model.train_epochs(data, loss_terms, keys, mini_batches, epochs, role="actor.update")
+        def units(mb):  # algorithm.loss_agg's denominator share of a micro-batch
+            return loss_agg.units(response_mask(mb), cfg.loss_agg, cfg.loss_agg_length, rows=mb["row_valid"])
+
+        return model.train_epochs(data, loss_terms, keys, mini_batches, epochs, role="actor.update", units=units)
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.algorithms.losses import kl_penalty, masked_mean, ppo_policy_loss
+from hybridrl.algorithms.loss_agg import check_loss_agg, token_weights
+from hybridrl.algorithms.losses import kl_penalty, masked_mean, ppo_policy_token_loss
 from hybridrl.algorithms.rollout_correction import check_correction, correction_weights, mismatch_metrics
 from hybridrl.workers.sequences import gather_at
 from hybridrl.workers.vocab_parallel import token_log_probs
@@ -52,9 +53,12 @@ class PolicyLossConfig:
     rollout_correction: str = "none"  # none | tis | mis, from mb["rollout_log_probs"] (rollout_correction.py)
     rollout_correction_cap: float = 2.0
     rollout_correction_level: str = "token"  # token | sequence
+    loss_agg: str = "token_mean"  # algorithms/loss_agg.py; the step divides by the mini-batch's units
+    loss_agg_length: int | None = None  # the constant of seq_mean_token_sum_norm (max_new_tokens)
 
     def __post_init__(self) -> None:
         check_correction(self.rollout_correction, self.rollout_correction_cap, self.rollout_correction_level)
+        check_loss_agg(self.loss_agg, self.loss_agg_length)
 
 
 def actor_loss_terms(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
@@ -76,18 +80,18 @@ def actor_loss_terms(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
                                                    cfg.rollout_correction_cap, cfg.rollout_correction_level)
             advantages = advantages * weights  # w > 0 and detached: the clipped objective scales by w
             mismatch["mismatch/corrected_fraction"] = fraction
-    pg_mean, stats = ppo_policy_loss(log_probs, old, advantages, mask,
-                                     clip_ratio=cfg.clip_ratio, clip_ratio_high=cfg.clip_ratio_high,
-                                     dual_clip=cfg.dual_clip)
+    pg_tokens, stats = ppo_policy_token_loss(log_probs, old, advantages, mask, clip_ratio=cfg.clip_ratio,
+                                             clip_ratio_high=cfg.clip_ratio_high, dual_clip=cfg.dual_clip)
+    weights = token_weights(mask, cfg.loss_agg)  # the step divides the sum by the mini-batch's units
     count = mask.sum()
-    loss_sum = pg_mean * count
-    metrics = {"actor/pg_loss": pg_mean.detach(), "actor/clipfrac": stats["clipfrac"],
+    loss_sum = (weights * pg_tokens).sum()
+    metrics = {"actor/pg_loss": masked_mean(pg_tokens.detach(), mask), "actor/clipfrac": stats["clipfrac"],
                "actor/approx_kl": stats["approx_kl"], "actor/entropy": masked_mean(entropy.detach(), mask),
                **mismatch}
     if cfg.entropy_coef:
-        loss_sum = loss_sum - cfg.entropy_coef * (entropy * mask).sum()
+        loss_sum = loss_sum - cfg.entropy_coef * (entropy * weights).sum()
     if cfg.kl_loss_coef:
         kl = kl_penalty(log_probs, mb["ref_log_probs"], cfg.kl_estimator)
-        loss_sum = loss_sum + cfg.kl_loss_coef * (kl * mask).sum()
+        loss_sum = loss_sum + cfg.kl_loss_coef * (kl * weights).sum()
         metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
     return loss_sum, count, metrics
