@@ -94,7 +94,8 @@ class AlgorithmConfig:
     module: Optional[str] = None  # a module to import first: its @register_algorithm adds algorithms by name
     gamma: float = 1.0
     lam: float = 0.95
-    clip_ratio: float = 0.2
+    clip_ratio: float = 0.2  # the ratio's lower clip 1 - clip_ratio (and upper, unless clip_ratio_high)
+    clip_ratio_high: Optional[float] = None  # decoupled upper clip 1 + clip_ratio_high (DAPO's clip-higher)
     value_clip: float = 0.2
     entropy_coef: float = 0.0
     ppo_epochs: int = 1

@@ -147,6 +147,9 @@ def plan_run(cfg: Any) -> RunPlan:
         check_loss_agg(loss_agg, roll.max_new_tokens)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check(0.0 < alg.clip_ratio < 1.0, f"algorithm.clip_ratio={alg.clip_ratio} must be in (0, 1)")
+    _check(alg.clip_ratio_high is None or alg.clip_ratio_high > 0,
+           f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be > 0 (or unset: clip_ratio)")
     _check(spec.needs_cost_model or not has_cost,
            f"algorithm {alg.name!r} uses no cost signal: unset cost_model.model / reward.cost_fn (safe_rlhf uses them)")
     _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
