@@ -254,6 +254,9 @@ class Actor(_Role):
             data["old_log_probs"] = old_log_probs
         if ref_log_probs is not None:
             data["ref_log_probs"] = ref_log_probs
+        sequences = _as_sequences(actions)
+        if "rollout_log_probs" in sequences:  # the engine's: mismatch/* metrics, rollout_correction's weights
+            data["rollout_log_probs"] = sequences["rollout_log_probs"]
         dp = self.layout.dp
         if len(data) < dp * mini_batches:
             raise ValueError(f"actor.update: {len(data)} sequences cannot fill dp={dp} x mini_batches={mini_batches}")

@@ -94,12 +94,20 @@ class AlgorithmConfig:
     module: Optional[str] = None  # a module to import first: its @register_algorithm adds algorithms by name
     gamma: float = 1.0
     lam: float = 0.95
-    clip_ratio: float = 0.2
+    clip_ratio: float = 0.2  # the ratio's lower clip 1 - clip_ratio (and upper, unless clip_ratio_high)
+    clip_ratio_high: Optional[float] = None  # decoupled upper clip 1 + clip_ratio_high (DAPO's clip-higher)
     value_clip: float = 0.2
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
     mini_batch_size: Optional[int] = None  # None: one update per step over the whole batch
     kl: KLConfig = field(default_factory=KLConfig)
+    # rollout / training mismatch (algorithms/rollout_correction.py): none | tis | mis importance weights
+    # pi_old / pi_rollout, capped at rollout_correction_cap, per token or per sequence
+    rollout_correction: str = "none"
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm; None: the algorithm's
+    loss_agg: Optional[str] = None
+    rollout_correction_cap: float = 2.0
+    rollout_correction_level: str = "token"
     cost_limit: float = 0.0  # safe_rlhf
     lagrangian_lr: float = 0.05  # safe_rlhf
     lagrangian_init: float = 1.0  # safe_rlhf
@@ -247,6 +255,8 @@ def apply_algorithm_defaults(cfg: DictConfig) -> None:
         cfg.algorithm.kl.mode = spec.default_kl_mode
     if cfg.algorithm.kl.estimator is None:
         cfg.algorithm.kl.estimator = spec.default_kl_estimator
+    if cfg.algorithm.loss_agg is None:
+        cfg.algorithm.loss_agg = spec.default_loss_agg
 
 
 def _one_line(exc: BaseException) -> str:

@@ -35,11 +35,14 @@ def test_masked_mean_var_whiten():
 def test_aggregate_loss_modes():
     loss = T([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0], [99.0, 99.0, 99.0]])
     mask = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    close(alg.aggregate_loss(loss, mask, "token-mean"), 2.5)  # (1+2+3+4) / 4
-    close(alg.aggregate_loss(loss, mask, "seq-mean-token-mean"), 3.0)  # (2 + 4) / 2; empty row ignored
-    close(alg.aggregate_loss(loss, mask, "seq-mean-token-sum"), 5.0)  # (6 + 4) / 2
-    with pytest.raises(ValueError, match="token-mean"):
+    close(alg.aggregate_loss(loss, mask, "token_mean"), 2.5)  # (1+2+3+4) / 4
+    close(alg.aggregate_loss(loss, mask, "seq_mean_token_mean"), 3.0)  # (2 + 4) / 2; empty row ignored
+    close(alg.aggregate_loss(loss, mask, "seq_mean_token_sum"), 5.0)  # (6 + 4) / 2
+    close(alg.aggregate_loss(loss, mask, "seq_mean_token_sum_norm", norm_length=4), 10 / 12)  # / (3 rows x 4)
+    with pytest.raises(ValueError, match="token_mean"):
         alg.aggregate_loss(loss, mask, "sum")
+    with pytest.raises(ValueError, match="constant length"):
+        alg.aggregate_loss(loss, mask, "seq_mean_token_sum_norm")
 
 
 # ---------------------------------------------------------------- per-token quantities

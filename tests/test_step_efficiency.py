@@ -88,3 +88,41 @@ def test_packed_micro_batches_equal_padded_rows_at_tp2_pp2(ray_four_devices):
     # ignore_eos: exactly max_new_tokens on every row, none ends with a stop
     assert fixed.mask.sum(-1).tolist() == [6.0] * len(PROMPTS)
     assert set(fixed.finish_reasons) == {"length"}
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                  "seq_mean_token_sum_norm"])
+def test_loss_aggregation_is_exact_across_micro_batches(mode):
+    """Every algorithm.loss_agg mode: the step's sum(weighted loss) / units over two one-sequence micro-batches
+    equals the same over the shared row, and both equal the pure aggregate of the per-token loss (loss and
+    gradient)."""
+    from hybridrl.algorithms import loss_agg
+    from hybridrl.algorithms.losses import aggregate_loss, ppo_policy_token_loss
+    from hybridrl.workers.policy import response_mask
+
+    mb, logits = _micro_batch()
+    cfg = PolicyLossConfig(loss_agg=mode, loss_agg_length=5)
+
+    def step_loss(mbs, views):  # what MegatronModel.train_step minimises
+        terms = [actor_loss_terms(m, v, VOCAB, None, cfg)[0] for m, v in zip(mbs, views)]
+        units = sum(loss_agg.units(response_mask(m), mode, 5, rows=m["row_valid"]) for m in mbs)
+        return sum(terms) / units
+
+    whole = logits.clone().requires_grad_(True)
+    loss_whole = step_loss([mb], [whole])
+    loss_whole.backward()
+    split = logits.clone().requires_grad_(True)
+    halves = [{"input_ids": mb["input_ids"][:, :4], "row_of": torch.tensor([0]), "seq_start": torch.tensor([0]),
+               "prompt_lengths": mb["prompt_lengths"][:1], "response_mask": mb["response_mask"][:1],
+               "row_valid": torch.ones(1), "advantages": mb["advantages"][:1]},
+              {"input_ids": mb["input_ids"][:, 4:], "row_of": torch.tensor([0]), "seq_start": torch.tensor([0]),
+               "prompt_lengths": mb["prompt_lengths"][1:], "response_mask": mb["response_mask"][1:],
+               "row_valid": torch.ones(1), "advantages": mb["advantages"][1:]}]
+    loss_split = step_loss(halves, [split[:, :4], split[:, 4:]])
+    loss_split.backward()
+    with torch.no_grad():
+        log_probs, _ = response_log_probs(mb, logits, VOCAB, None)
+        tokens, _ = ppo_policy_token_loss(log_probs, log_probs, mb["advantages"], mb["response_mask"])
+        expected = aggregate_loss(tokens, mb["response_mask"], mode, norm_length=5)
+    assert torch.allclose(loss_whole, expected, atol=1e-6) and torch.allclose(loss_split, expected, atol=1e-6)
+    assert torch.allclose(whole.grad, split.grad, atol=1e-7) and whole.grad.abs().sum() > 0

@@ -23,7 +23,10 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
 
 @pytest.mark.parametrize("overrides,message", [
     (["actor.optim.learning_rate=1"], "learning_rate"),                       # unknown key
-    (["algorithm.name=dpo"], "is unknown; registered: grpo, ppo"),           # unknown algorithm
+    (["algorithm.name=dpo"], "is unknown; registered: cispo, dr_grpo, grpo"),
+    (["algorithm.loss_agg=sum"], "algorithm.loss_agg='sum' is unknown"),
+    (["algorithm.clip_ratio_high=-0.1"], "algorithm.clip_ratio_high=-0.1 must be > 0"),
+    (["algorithm.rollout_correction_cap=0.5"], "rollout_correction_cap must be > 1"), # unknown algorithm
     (["actor.parallel.tp=3"], "does not divide pool"),                        # bad layout for the pool
     (["actor.parallel.tp=2", "rollout.tp=4"], "rollout.tp=4"),                # generation TP > training TP
     (["resources.devices=8", "actor.parallel.tp=8"], "num_attention_heads"),  # model heads not divisible

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from hybridrl.algorithms.loss_agg import aggregate
+
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 
 
@@ -43,23 +44,10 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened * mask
 
 
-def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a per-token loss [B, T] to a scalar.
-
-    token-mean: every real token of the batch weighs the same (long answers weigh more).
-    seq-mean-token-mean: mean per sequence, then mean over sequences with at least one token.
-    seq-mean-token-sum: sum per sequence, then mean over sequences with at least one token.
-    """
-    if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
-    has_tokens = (mask.sum(-1) > 0).to(loss_mat.dtype)
-    if mode == "seq-mean-token-mean":
-        per_seq = masked_mean(loss_mat, mask, dim=-1)
-    elif mode == "seq-mean-token-sum":
-        per_seq = masked_sum(loss_mat, mask, dim=-1)
-    else:
-        raise ValueError(f"loss aggregation mode {mode!r} is unknown; choose one of {AGG_MODES}")
-    return masked_mean(per_seq, has_tokens)
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean",
+                   norm_length: int | None = None) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar (the modes: hybridrl/algorithms/loss_agg.py)."""
+    return aggregate(loss_mat, mask, mode, norm_length)
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -99,8 +87,17 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
 def ppo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_high: float | None = None,
                     dual_clip: float | None = None,
-                    agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) per token.
+                    agg_mode: str = "token_mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (ppo_policy_token_loss), aggregated by `agg_mode`."""
+    loss_mat, stats = ppo_policy_token_loss(log_prob, old_log_prob, advantages, mask, clip_ratio, clip_ratio_high,
+                                            dual_clip)
+    return aggregate_loss(loss_mat, mask, agg_mode), stats
+
+
+def ppo_policy_token_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                          mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_high: float | None = None,
+                          dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate per token [B, T]: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
 
     `dual_clip` (c > 1, Ye et al. 2020) further bounds the loss of negative-advantage tokens by -A c, so a
     token whose probability already rose a lot cannot produce an unbounded push down.
@@ -121,12 +118,12 @@ def ppo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
         bounded = torch.minimum(loss_mat, -advantages * dual_clip)
         stats["dual_clipfrac"] = masked_mean(((advantages < 0) & (bounded < loss_mat)).float(), mask).detach()
         loss_mat = torch.where(advantages < 0, bounded, loss_mat)
-    return aggregate_loss(loss_mat, mask, agg_mode), stats
+    return loss_mat, stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip_range: float | None = 0.2,
-               agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               agg_mode: str = "token_mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, +-eps)."""
     unclipped = (values - returns).square()
     if clip_range is None:
@@ -140,12 +137,12 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * aggregate_loss(loss_mat, mask, agg_mode), {"vf_clipfrac": clipfrac}
 
 
-def entropy_loss(logits: torch.Tensor, mask: torch.Tensor, agg_mode: str = "token-mean") -> torch.Tensor:
+def entropy_loss(logits: torch.Tensor, mask: torch.Tensor, agg_mode: str = "token_mean") -> torch.Tensor:
     """Mean entropy of the policy on response tokens (subtract coef * this from the loss as a bonus)."""
     return aggregate_loss(entropy_from_logits(logits), mask, agg_mode)
 
 
 def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor, estimator: str = "k3",
-            agg_mode: str = "token-mean") -> torch.Tensor:
+            agg_mode: str = "token_mean") -> torch.Tensor:
     """KL to the reference as a loss term (GRPO style): aggregate of the per-token estimate."""
     return aggregate_loss(kl_penalty(log_prob, ref_log_prob, estimator), mask, agg_mode)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridrl.algorithms.base import AdvantageInputs, AdvantageResult
+from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
+from hybridrl.algorithms.policy_losses import POLICY_LOSSES
 
 Estimator = Callable[[AdvantageInputs], AdvantageResult]
 
@@ -27,6 +29,8 @@ class AlgorithmSpec:
     uses_reference: bool = True  # KL to the reference policy (penalty or loss) when a KL coefficient is set
     default_kl_mode: str = "reward"  # algorithm.kl.mode when unset: reward (per-token penalty) | loss
     default_kl_estimator: str = "k1"  # algorithm.kl.estimator when unset: k1 | k2 | k3
+    default_loss_agg: str = "token_mean"  # algorithm.loss_agg when unset (algorithms/loss_agg.py)
+    policy_loss: str = "ppo"  # the per-token policy loss: ppo | gspo | cispo (algorithms/policy_losses.py)
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
@@ -39,6 +43,10 @@ def register_algorithm(name: str, **declared) -> Callable[[Estimator], Estimator
         spec = AlgorithmSpec(name, estimator, **declared)
         if spec.default_kl_mode not in ("reward", "loss"):
             raise ValueError(f"algorithm {name!r}: default_kl_mode must be reward or loss")
+        if spec.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"algorithm {name!r}: policy_loss must be one of {POLICY_LOSSES}")
+        if spec.default_loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"algorithm {name!r}: default_loss_agg must be one of {LOSS_AGG_MODES}")
         known = ALGORITHMS.get(name)
         if known is not None and known.estimator.__qualname__ != estimator.__qualname__:
             raise ValueError(f"algorithm {name!r} is already registered by {known.estimator.__module__}")

@@ -92,7 +92,11 @@ class RLTrainer:
                    "max_batch_size": r.max_batch_size, "n": r.n, "temperature": r.temperature, "top_p": r.top_p,
                    "top_k": r.top_k, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
         loss = {"clip_ratio": cfg.algorithm.clip_ratio, "entropy_coef": cfg.algorithm.entropy_coef,
-                "kl_estimator": self.kl_estimator}
+                "kl_estimator": self.kl_estimator, "rollout_correction": cfg.algorithm.rollout_correction,
+                "rollout_correction_cap": cfg.algorithm.rollout_correction_cap,
+                "rollout_correction_level": cfg.algorithm.rollout_correction_level,
+                "loss_agg": plan.loss_agg, "loss_agg_length": r.max_new_tokens,
+                "policy_loss": plan.algorithm.policy_loss, "clip_ratio_high": cfg.algorithm.clip_ratio_high}
         self.roles["actor"] = Actor(plan.roles["actor"].model_path, parallel("actor"), rollout, pool("actor"),
                                     optim=dict(a.optim), loss=loss, micro_batch_size=a.micro_batch_size,
                                     max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,

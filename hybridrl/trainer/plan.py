@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl.algorithms.loss_agg import check_loss_agg
+from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
 from hybridrl.config import ConfigError
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
@@ -40,6 +42,7 @@ class RunPlan:
     max_model_len: int = 0
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
     mini_batches: int = 1
+    loss_agg: str = "token_mean"  # the actor loss's aggregation (algorithm.loss_agg or the algorithm's)
     needs_reference: bool = True
     rollout_engine: str = "native"  # rollout.engine with auto resolved
 
@@ -139,8 +142,14 @@ def plan_run(cfg: Any) -> RunPlan:
         if getattr(alg, "module", None):  # a config built without load_config: register the user's algorithms now
             import_algorithm_module(alg.module)
         spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
+        check_correction(alg.rollout_correction, alg.rollout_correction_cap, alg.rollout_correction_level)
+        loss_agg = alg.loss_agg or spec.default_loss_agg  # set by load_config; a bare config: the algorithm's
+        check_loss_agg(loss_agg, roll.max_new_tokens)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check(0.0 < alg.clip_ratio < 1.0, f"algorithm.clip_ratio={alg.clip_ratio} must be in (0, 1)")
+    _check(alg.clip_ratio_high is None or alg.clip_ratio_high > 0,
+           f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be > 0 (or unset: clip_ratio)")
     _check(spec.needs_cost_model or not has_cost,
            f"algorithm {alg.name!r} uses no cost signal: unset cost_model.model / reward.cost_fn (safe_rlhf uses them)")
     _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
@@ -161,7 +170,7 @@ def plan_run(cfg: Any) -> RunPlan:
         _check(devices % res.nodes == 0, f"pool {name!r} has {devices} devices, which do not split evenly over "
                                          f"resources.nodes={res.nodes}; give each pool a multiple of the node count")
 
-    plan = RunPlan(algorithm=spec, pools=pools)
+    plan = RunPlan(algorithm=spec, pools=pools, loss_agg=loss_agg)
     plan.rows_per_step = data.batch_size * roll.n
     max_len = roll.max_model_len or data.max_prompt_length + roll.max_new_tokens
     _check(max_len >= data.max_prompt_length + roll.max_new_tokens,

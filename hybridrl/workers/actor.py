@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from hybridrl.algorithms import loss_agg
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel, model_spec
-from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs
+from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs, response_mask
 
 logger = logging.getLogger(__name__)
 
@@ -141,22 +142,25 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     def update(self, data: Batch, loss: dict, mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:
         """PPO-style policy update: `epochs` passes, each cut into `mini_batches` optimizer steps.
 
-        data: rollouts with "advantages" ([B, R]), "old_log_probs" (absent: on-policy) and "ref_log_probs"
-        when the loss has a KL term.
+        data: rollouts with "advantages" ([B, R]), "old_log_probs" (absent: on-policy), "ref_log_probs"
+        when the loss has a KL term, and "rollout_log_probs" (the engine's) to measure / correct the mismatch.
         """
         cfg = PolicyLossConfig(**loss)
         model = self.model
         tp_group = model.tp_group if model.tp > 1 else None
         keys = ["response_mask", "advantages"] + (["ref_log_probs"] if cfg.kl_loss_coef else [])
         missing = [k for k in keys if k not in data]
-        keys += ["old_log_probs"] if "old_log_probs" in data else []
+        keys += [k for k in ("old_log_probs", "rollout_log_probs") if k in data]
         if missing:
             raise KeyError(f"actor.update needs {missing} in the batch")
 
         def loss_terms(mb, logits):
             return actor_loss_terms(mb, logits, model.vocab_size, tp_group, cfg)
 
-        return model.train_epochs(data, loss_terms, keys, mini_batches, epochs, role="actor.update")
+        def units(mb):  # algorithm.loss_agg's denominator share of a micro-batch
+            return loss_agg.units(response_mask(mb), cfg.loss_agg, cfg.loss_agg_length, rows=mb["row_valid"])
+
+        return model.train_epochs(data, loss_terms, keys, mini_batches, epochs, role="actor.update", units=units)
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:

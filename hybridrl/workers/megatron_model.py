@@ -187,23 +187,25 @@ class MegatronModel:
         return restore_order(torch.cat([o["out"].cpu() for o in outputs]), order)
 
     def train_epochs(self, data: Batch, loss_terms: Callable, keys: list[str], mini_batches: int = 1,
-                     epochs: int = 1, role: str = "update") -> dict[str, float]:
+                     epochs: int = 1, role: str = "update", units: Callable[[dict], float] | None = None
+                     ) -> dict[str, float]:
         """`epochs` passes over `data` (this DP rank's share), each cut into `mini_batches` train_steps; the
         per-step metrics averaged. Every DP rank must take the same number of optimizer steps."""
         if len(data) < mini_batches:
             raise ValueError(f"{role}: {len(data)} rows on this DP rank cannot make {mini_batches} mini-batches")
-        history = [self.train_step(part, loss_terms, {k: part[k] for k in keys})
+        history = [self.train_step(part, loss_terms, {k: part[k] for k in keys}, units)
                    for _ in range(epochs) for part in data.chunk(mini_batches)]
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
     def train_step(self, data: Batch, loss_terms: Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]],
-                   extra: dict[str, torch.Tensor]) -> dict[str, float]:
+                   extra: dict[str, torch.Tensor], units: Callable[[dict], float] | None = None) -> dict[str, float]:
         """One optimizer step over `data` (this DP rank's share of a mini-batch).
 
-        `loss_terms(mb, output) -> (loss_sum, token_count, metrics)`: the summed per-token loss of the
-        micro-batch. The step minimises the token mean over the whole mini-batch across DP ranks: each
-        micro-batch's sum is divided by the global token count and rescaled for Megatron's division by the
-        number of micro-batches and DDP's average over DP ranks.
+        `loss_terms(mb, output) -> (loss_sum, token_count, metrics)`: the weighted per-token loss summed over
+        the micro-batch. The step minimises sum / units over the whole mini-batch across DP ranks: each
+        micro-batch's sum is divided by the global units (`units(mb)` summed; default: response tokens, the
+        token mean) and rescaled for Megatron's division by the number of micro-batches and DDP's average
+        over DP ranks.
         """
         from megatron.core import parallel_state
 
@@ -212,11 +214,12 @@ class MegatronModel:
         packed = rollout_rows(data, self.tp if self.spec.sequence_parallel else 1)
         micro_batches, _ = self._micro_batches(packed, extra)
         local_tokens = sum(float((mb["response_mask"] * mb["row_valid"].unsqueeze(1)).sum()) for mb in micro_batches)
-        tokens = torch.tensor([local_tokens], dtype=torch.float64, device=micro_batches[0]["input_ids"].device)
+        local_units = local_tokens if units is None else sum(units(mb) for mb in micro_batches)
+        total = torch.tensor([local_units], dtype=torch.float64, device=micro_batches[0]["input_ids"].device)
         dp = parallel_state.get_data_parallel_world_size()
         if dp > 1:
-            torch.distributed.all_reduce(tokens, group=self.dp_group)
-        scale = len(micro_batches) * dp / max(float(tokens.item()), 1.0)
+            torch.distributed.all_reduce(total, group=self.dp_group)
+        scale = len(micro_batches) * dp / max(float(total.item()), 1.0)
 
         def loss_fn(mb, output):
             loss_sum, count, metrics = loss_terms(mb, output)

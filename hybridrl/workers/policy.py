@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.algorithms.losses import kl_penalty, masked_mean, ppo_policy_loss
+from hybridrl.algorithms.loss_agg import check_loss_agg, token_weights
+from hybridrl.algorithms.losses import kl_penalty, masked_mean
+from hybridrl.algorithms.policy_losses import POLICY_LOSSES, policy_token_loss
+from hybridrl.algorithms.rollout_correction import check_correction, correction_weights, mismatch_metrics
 from hybridrl.workers.sequences import gather_at
 from hybridrl.workers.vocab_parallel import token_log_probs
 
@@ -48,6 +51,18 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_estimator: str = "k3"
+    rollout_correction: str = "none"  # none | tis | mis, from mb["rollout_log_probs"] (rollout_correction.py)
+    rollout_correction_cap: float = 2.0
+    rollout_correction_level: str = "token"  # token | sequence
+    policy_loss: str = "ppo"  # ppo | gspo | cispo (algorithms/policy_losses.py)
+    loss_agg: str = "token_mean"  # algorithms/loss_agg.py; the step divides by the mini-batch's units
+    loss_agg_length: int | None = None  # the constant of seq_mean_token_sum_norm (max_new_tokens)
+
+    def __post_init__(self) -> None:
+        check_correction(self.rollout_correction, self.rollout_correction_cap, self.rollout_correction_level)
+        check_loss_agg(self.loss_agg, self.loss_agg_length)
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy loss {self.policy_loss!r} is unknown; choose one of {POLICY_LOSSES}")
 
 
 def actor_loss_terms(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
@@ -55,22 +70,32 @@ def actor_loss_terms(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
     """(summed per-token loss, token count, metrics) of one micro-batch.
 
     Needs mb["advantages"] ([b, R]); mb["old_log_probs"] for PPO's ratio (absent: on-policy, ratio 1);
-    mb["ref_log_probs"] when kl_loss_coef > 0.
+    mb["ref_log_probs"] when kl_loss_coef > 0. With mb["rollout_log_probs"] (the engine's) the rollout /
+    trainer mismatch is measured against pi_old, and corrected when cfg.rollout_correction asks.
     """
     mask = response_mask(mb)
     log_probs, entropy = response_log_probs(mb, logits, vocab_size, tp_group, with_entropy=True)
     old = mb["old_log_probs"] if "old_log_probs" in mb else log_probs.detach()  # on-policy: ratio 1
-    pg_mean, stats = ppo_policy_loss(log_probs, old, mb["advantages"], mask,
-                                     clip_ratio=cfg.clip_ratio, clip_ratio_high=cfg.clip_ratio_high,
-                                     dual_clip=cfg.dual_clip)
+    advantages, mismatch = mb["advantages"], {}
+    if "rollout_log_probs" in mb:
+        mismatch = mismatch_metrics(mb["rollout_log_probs"], old, mask)
+        if cfg.rollout_correction != "none":
+            weights, fraction = correction_weights(mb["rollout_log_probs"], old, mask, cfg.rollout_correction,
+                                                   cfg.rollout_correction_cap, cfg.rollout_correction_level)
+            advantages = advantages * weights  # w > 0 and detached: the clipped objective scales by w
+            mismatch["mismatch/corrected_fraction"] = fraction
+    pg_tokens, stats = policy_token_loss(cfg.policy_loss, log_probs, old, advantages, mask, cfg.clip_ratio,
+                                         cfg.clip_ratio_high, cfg.dual_clip)
+    weights = token_weights(mask, cfg.loss_agg)  # the step divides the sum by the mini-batch's units
     count = mask.sum()
-    loss_sum = pg_mean * count
-    metrics = {"actor/pg_loss": pg_mean.detach(), "actor/clipfrac": stats["clipfrac"],
-               "actor/approx_kl": stats["approx_kl"], "actor/entropy": masked_mean(entropy.detach(), mask)}
+    loss_sum = (weights * pg_tokens).sum()
+    metrics = {"actor/pg_loss": masked_mean(pg_tokens.detach(), mask), "actor/clipfrac": stats["clipfrac"],
+               "actor/approx_kl": stats["approx_kl"], "actor/entropy": masked_mean(entropy.detach(), mask),
+               **mismatch}
     if cfg.entropy_coef:
-        loss_sum = loss_sum - cfg.entropy_coef * (entropy * mask).sum()
+        loss_sum = loss_sum - cfg.entropy_coef * (entropy * weights).sum()
     if cfg.kl_loss_coef:
         kl = kl_penalty(log_probs, mb["ref_log_probs"], cfg.kl_estimator)
-        loss_sum = loss_sum + cfg.kl_loss_coef * (kl * mask).sum()
+        loss_sum = loss_sum + cfg.kl_loss_coef * (kl * weights).sum()
         metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
     return loss_sum, count, metrics
