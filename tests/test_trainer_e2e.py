@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from hybridrl.config import load_config
 from hybridrl.trainer.loop import RLTrainer
@@ -90,12 +91,57 @@ def test_remax_with_vllm_rollout(ray_two_devices, head_dim_32_model):
     assert history[1]["kl_mean"] != 0.0  # step 2 generated from the updated weights (pushed into vLLM)
 
 
+def spy_on_advantages(monkeypatch) -> tuple[list[dict], list]:
+    """Record compute_advantages' inputs in the trainer and the advantages Actor.update actually receives."""
+    import hybridrl.trainer.loop as loop
+    from hybridrl import api
+
+    inputs, fed = [], []
+    real_compute, real_update = loop.compute_advantages, api.Actor.update
+
+    def compute(name, scores, mask, **kw):
+        inputs.append({"name": name, "scores": scores.clone(), "mask": mask.clone(), **kw})
+        return real_compute(name, scores, mask, **kw)
+
+    def update(self, *args, **kw):
+        fed.append(kw["advantages"].clone())
+        return real_update(self, *args, **kw)
+
+    monkeypatch.setattr(loop, "compute_advantages", compute)
+    monkeypatch.setattr(api.Actor, "update", update)
+    return inputs, fed
+
+
+def expected_advantages(x: dict):
+    """The pure estimators (hybridrl.algorithms.advantages) on the trainer's own inputs of one step."""
+    from hybridrl.algorithms import advantages as adv
+
+    mask = x["mask"].float()
+    rewards = adv.place_sequence_rewards(x["scores"], mask)
+    if x["kl"] is not None and x["kl_coef"]:
+        rewards = adv.apply_kl_penalty(rewards, x["kl"], x["kl_coef"], mask)
+    if x["name"] == "remax":
+        return adv.remax(rewards, x["baseline_scores"], mask)[0]
+    if x["name"] == "grpo":
+        return adv.grpo_outcome((rewards * mask).sum(-1), mask, x["index"], norm_by_std=True)[0]
+    if x["name"] == "ppo":
+        return adv.gae(rewards, x["values"], mask, gamma=x["gamma"], lam=x["lam"], whiten=True)[0]
+    return None
+
+
 @pytest.mark.parametrize("algorithm", sorted(CASES))
-def test_algorithm_runs_end_to_end(ray_two_devices, cost_model, algorithm):
+def test_algorithm_runs_end_to_end(ray_two_devices, cost_model, algorithm, monkeypatch):
     overrides = [f"algorithm.name={algorithm}", *CASES[algorithm]]
     if algorithm == "safe_rlhf":
         overrides.append(f"cost_model.model={cost_model}")
+    inputs, fed = spy_on_advantages(monkeypatch)
     trainer, history = run_steps(overrides)
+    assert len(inputs) == len(fed) == 2
+    for x, advantages in zip(inputs, fed):  # what the update got is the estimator on this step's batch
+        expected = expected_advantages(x)
+        if expected is not None:
+            assert torch.allclose(advantages, expected, atol=1e-6), (algorithm, advantages, expected)
+            assert advantages.abs().sum() > 0 or x["scores"].std() == 0
     assert trainer.step == 2 and len(history) == 2
     n = trainer.cfg.rollout.n
     for metrics in history:
