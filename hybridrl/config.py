@@ -104,6 +104,10 @@ class AlgorithmConfig:
     # rollout / training mismatch (algorithms/rollout_correction.py): none | tis | mis importance weights
     # pi_old / pi_rollout, capped at rollout_correction_cap, per token or per sequence
     rollout_correction: str = "none"
+    # DAPO's dynamic sampling and overlong shaping (algorithms/shaping.py); None: the algorithm's default, or off
+    max_refill_rounds: Optional[int] = None  # > 0: drop all-equal-reward groups, refill up to this many rounds
+    overlong_buffer: Optional[int] = None  # > 0: responses past max_new_tokens - buffer lose reward linearly
+    overlong_penalty: Optional[float] = None  # the penalty at max_new_tokens (default 1.0)
     # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm; None: the algorithm's
     loss_agg: Optional[str] = None
     rollout_correction_cap: float = 2.0
@@ -257,6 +261,11 @@ def apply_algorithm_defaults(cfg: DictConfig) -> None:
         cfg.algorithm.kl.estimator = spec.default_kl_estimator
     if cfg.algorithm.loss_agg is None:
         cfg.algorithm.loss_agg = spec.default_loss_agg
+    for key, value in spec.config_defaults.items():
+        if key not in cfg.algorithm:
+            raise ConfigError(f"algorithm {spec.name!r} declares a default for algorithm.{key}, which is no option")
+        if cfg.algorithm.get(key) is None:
+            cfg.algorithm[key] = value
 
 
 def _one_line(exc: BaseException) -> str:

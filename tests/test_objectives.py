@@ -143,3 +143,62 @@ def test_dr_grpo_subtracts_the_group_mean_without_std_and_all_equal_groups_get_z
     assert torch.allclose(out.advantages, T([[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0]]))
     grpo = compute_advantages("grpo", scores, mask, index=torch.tensor([0, 0, 1, 1]))
     assert grpo.advantages[0, 0] > 0.5  # GRPO divides by the group's std (0.71): larger
+
+
+# ---------------------------------------------------------------- DAPO: overlong shaping, dynamic sampling
+
+def test_overlong_penalty_is_linear_over_the_buffer():
+    from hybridrl.algorithms.shaping import overlong_penalty
+
+    lengths = torch.tensor([10, 12, 13, 16])
+    got = overlong_penalty(lengths, max_new_tokens=16, buffer=4, penalty=1.0)
+    assert torch.allclose(got, T([0.0, 0.0, -0.25, -1.0]))
+    assert torch.equal(overlong_penalty(lengths, 16, 0, 1.0), torch.zeros(4))
+
+
+def _rollout(prompt_tokens: list[list[int]], responses: list[list[int]]):
+    from hybridrl.api import Rollout
+    from hybridrl.rollout.base import GeneratedSequence, assemble_batch
+    from hybridrl.rollout.sampling import SamplingParams
+
+    seqs = [GeneratedSequence(p, r, [-0.5] * len(r), "length") for p, r in zip(prompt_tokens, responses)]
+    batch = assemble_batch(seqs, SamplingParams(max_new_tokens=4), 0)
+    texts = [" ".join(map(str, r)) for r in responses]
+    return Rollout(batch, texts, [str(p) for p in prompt_tokens], [{"i": str(p)} for p in prompt_tokens])
+
+
+def test_dynamic_sampling_drops_all_equal_groups_and_refills():
+    from hybridrl.trainer.dynamic_sampling import refill
+
+    n = 2
+    first = _rollout([[1], [1], [2, 2], [2, 2]], [[5], [6], [7, 7], [7, 7]])
+    first_scores = T([1.0, 0.0, 0.5, 0.5])  # group 0 informative, group 1 all equal
+    second = _rollout([[3, 3, 3], [3, 3, 3]], [[8, 8, 8, 8], [9]])  # wider prompt and response
+    calls = []
+
+    def more(round_):
+        calls.append(round_)
+        return second, T([0.2, 0.9])
+
+    out, scores, metrics = refill(first, first_scores, n, max_rounds=3, more=more, pad_token_id=0)
+    assert calls == [1]  # one round found the missing group
+    assert torch.equal(scores, T([1.0, 0.0, 0.2, 0.9]))
+    assert out.texts == ["5", "6", "8 8 8 8", "9"] and out.prompt_texts == ["[1]", "[1]", "[3, 3, 3]", "[3, 3, 3]"]
+    seq = out.sequences
+    assert seq["prompts"].shape == (4, 3) and seq["responses"].shape == (4, 4)
+    assert seq["prompts"][0].tolist() == [0, 0, 1] and seq["responses"][0].tolist() == [5, 0, 0, 0]
+    assert seq["response_mask"].sum(-1).tolist() == [1, 1, 4, 1]
+    assert metrics == {"dynamic_sampling/informative_fraction": 0.5, "dynamic_sampling/refill_rounds": 1.0,
+                       "dynamic_sampling/filled_uninformative": 0.0}
+
+
+def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out():
+    from hybridrl.trainer.dynamic_sampling import refill
+
+    same = _rollout([[1], [1], [2], [2]], [[5], [5], [6], [6]])
+    out, scores, metrics = refill(same, T([0.0, 0.0, 1.0, 1.0]), 2, max_rounds=2,
+                                  more=lambda r: (same, T([0.3, 0.3, 0.3, 0.3])), pad_token_id=0)
+    assert len(out.texts) == 4 and torch.equal(scores, T([0.0, 0.0, 1.0, 1.0]))  # the first batch's groups
+    assert metrics["dynamic_sampling/refill_rounds"] == 2.0 and metrics["dynamic_sampling/filled_uninformative"] == 2.0
+    kept, kept_scores, m = refill(same, T([1.0, 0.0, 1.0, 0.0]), 2, max_rounds=2, more=None, pad_token_id=0)
+    assert kept is same and m["dynamic_sampling/refill_rounds"] == 0.0  # nothing to drop: no refill

@@ -23,7 +23,7 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
 
 @pytest.mark.parametrize("overrides,message", [
     (["actor.optim.learning_rate=1"], "learning_rate"),                       # unknown key
-    (["algorithm.name=dpo"], "is unknown; registered: cispo, dr_grpo, grpo"),
+    (["algorithm.name=dpo"], "is unknown; registered: cispo, dapo, dr_grpo"),
     (["algorithm.loss_agg=sum"], "algorithm.loss_agg='sum' is unknown"),
     (["algorithm.clip_ratio_high=-0.1"], "algorithm.clip_ratio_high=-0.1 must be > 0"),
     (["algorithm.rollout_correction_cap=0.5"], "rollout_correction_cap must be > 1"), # unknown algorithm

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridrl.algorithms.base import AdvantageInputs, AdvantageResult
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
@@ -31,6 +31,7 @@ class AlgorithmSpec:
     default_kl_estimator: str = "k1"  # algorithm.kl.estimator when unset: k1 | k2 | k3
     default_loss_agg: str = "token_mean"  # algorithm.loss_agg when unset (algorithms/loss_agg.py)
     policy_loss: str = "ppo"  # the per-token policy loss: ppo | gspo | cispo (algorithms/policy_losses.py)
+    config_defaults: dict = field(default_factory=dict)  # algorithm.<key> values used when the config leaves None
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {}

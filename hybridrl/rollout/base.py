@@ -207,3 +207,28 @@ def _is_batch(obj: Any) -> bool:
     except ImportError:
         return False
     return isinstance(obj, Batch)
+
+
+def concat_batches(batches: list[Any], pad_token_id: int) -> Any:
+    """Rows of generated Batches (assemble_batch's layout) from separate generate calls, re-padded to the
+    widest prompt (left) and response (right) among them."""
+    from hybridrl.protocol import Batch
+
+    prompt_len = max(b["prompts"].shape[1] for b in batches)
+    response_len = max(b["responses"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        p, r = b["prompts"].shape[1], b["responses"].shape[1]
+        left, right = prompt_len - p, response_len - r
+        pad = torch.nn.functional.pad
+        prompts = pad(b["prompts"], (left, 0), value=pad_token_id)
+        prompt_mask = pad(b["attention_mask"][:, :p], (left, 0), value=0)
+        responses = pad(b["responses"], (0, right), value=pad_token_id)
+        response_mask = pad(b["response_mask"], (0, right), value=0)
+        tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                   "attention_mask": torch.cat([prompt_mask, response_mask], 1), "response_mask": response_mask,
+                   "rollout_log_probs": pad(b["rollout_log_probs"], (0, right), value=0.0)}
+        if set(b.tensors.keys()) != set(tensors):
+            raise ValueError(f"concat_batches: unexpected fields {sorted(set(b.tensors.keys()) ^ set(tensors))}")
+        padded.append(Batch(tensors, dict(b.non_tensors), b.meta))
+    return Batch.concat(padded)

@@ -20,7 +20,9 @@ from hybridrl.algorithms.compute import compute_advantages
 from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.lagrangian import LagrangeMultiplier
 from hybridrl.algorithms.losses import kl_penalty, masked_mean
+from hybridrl.algorithms.shaping import overlong_penalty
 from hybridrl.config import ConfigError
+from hybridrl.trainer.dynamic_sampling import refill
 from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
                                          set_rng_states)
 from hybridrl.trainer.plan import RunPlan
@@ -156,6 +158,8 @@ class RLTrainer:
             timer.pop()
             self.step += 1
             return {"skipped": 1.0}
+        out, scores, sample_metrics = self._shape_and_filter(out, scores, seed)
+        mask = out.mask
         ref_log_probs = None
         kl_coef = self.kl_ctrl.value
         if "ref" in roles:
@@ -182,7 +186,7 @@ class RLTrainer:
             alg.name, scores, mask, kl=token_kl if self.kl_mode == "reward" else None, kl_coef=kl_coef,
             index=index, baseline_scores=baseline, values=values, cost_scores=costs, cost_values=cost_values,
             lagrange_multiplier=self.lagrange.value if self.lagrange else None, gamma=alg.gamma, lam=alg.lam)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = dict(sample_metrics)
         epochs, minis = alg.ppo_epochs, plan.mini_batches
         if "critic" in roles:
             with timer("critic"):
@@ -220,6 +224,37 @@ class RLTrainer:
             **times})
         self._check_finite(metrics)
         return metrics
+
+    def _overlong(self, rollout: Any, scores: torch.Tensor) -> torch.Tensor:
+        alg = self.cfg.algorithm
+        if not alg.overlong_buffer:
+            return scores
+        lengths = rollout.mask.sum(-1)
+        penalty = alg.overlong_penalty if alg.overlong_penalty is not None else 1.0
+        return scores + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, alg.overlong_buffer, penalty)
+
+    def _shape_and_filter(self, out: Any, scores: torch.Tensor, seed: int) -> tuple[Any, torch.Tensor, dict]:
+        """DAPO's overlong shaping and dynamic sampling, when algorithm.overlong_buffer / max_refill_rounds ask."""
+        alg, n, timer = self.cfg.algorithm, self.cfg.rollout.n, self.timer
+        metrics: dict = {}
+        if alg.overlong_buffer:
+            shaped = self._overlong(out, scores)
+            metrics["overlong/penalised_fraction"] = float((shaped < scores).float().mean())
+            scores = shaped
+        if alg.max_refill_rounds:
+            actor = self.roles["actor"]
+
+            def more(round_: int):
+                with timer("generation"):
+                    extra, = actor.generate_many(self.loader.next_batch(), [{"seed": seed + 7919 * round_}])
+                timer.add("transition", extra.sequences.meta.get("timing", {}).get("transition", 0.0))
+                with timer("reward"):
+                    return extra, self._overlong(extra, self._score("reward", extra))
+
+            pad = actor.tokenizer.pad_token_id or 0
+            out, scores, refill_metrics = refill(out, scores, n, alg.max_refill_rounds, more, pad)
+            metrics.update(refill_metrics)
+        return out, scores, metrics
 
     def _score(self, role: str, rollout: Any) -> torch.Tensor:
         # the rollout carries its prompts (one per response): a reward model reuses the token ids when it

@@ -150,6 +150,14 @@ def plan_run(cfg: Any) -> RunPlan:
     _check(0.0 < alg.clip_ratio < 1.0, f"algorithm.clip_ratio={alg.clip_ratio} must be in (0, 1)")
     _check(alg.clip_ratio_high is None or alg.clip_ratio_high > 0,
            f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be > 0 (or unset: clip_ratio)")
+    refill = alg.get("max_refill_rounds") or 0
+    _check(refill >= 0, f"algorithm.max_refill_rounds={refill} must be >= 0")
+    _check(not refill or (roll.n >= 2 and not spec.needs_greedy_baseline and not spec.needs_cost_model),
+           f"algorithm.max_refill_rounds={refill} (dynamic sampling) drops prompt groups with equal rewards: it "
+           f"needs rollout.n >= 2 and an algorithm without a greedy baseline or a cost (set it to 0)")
+    buffer = alg.get("overlong_buffer") or 0
+    _check(0 <= buffer < roll.max_new_tokens, f"algorithm.overlong_buffer={buffer} must be in [0, "
+                                              f"rollout.max_new_tokens={roll.max_new_tokens})")
     _check(spec.needs_cost_model or not has_cost,
            f"algorithm {alg.name!r} uses no cost signal: unset cost_model.model / reward.cost_fn (safe_rlhf uses them)")
     _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
