@@ -24,6 +24,8 @@ CASES = {
     # KL mode / estimator unset: GRPO's registry defaults (a loss term, k3) reach the update
     "grpo": TP2 + ["rollout.n=2", "actor.parallel.sequence_parallel=true"],  # SP: packed widths a multiple of TP
     "rloo": PP2 + ["rollout.n=2"],
+    # dynamic sampling refills from new prompts (re-padded into one batch), overlong shaping on
+    "dapo": TP2 + ["rollout.n=2", "algorithm.max_refill_rounds=2", "algorithm.overlong_buffer=2"],
     "reinforce_pp": TP2 + ["rollout.n=1", "algorithm.kl.type=adaptive"],
     "safe_rlhf": TP2 + ["rollout.n=1"],  # + a cost model (tiny sequence classifier), see the test
 }
@@ -147,7 +149,8 @@ def test_algorithm_runs_end_to_end(ray_two_devices, cost_model, algorithm, monke
     for metrics in history:
         assert metrics["actor/update_ok"] == 1.0  # every optimizer step was taken, none skipped
         assert metrics["actor/grad_norm"] > 0 and math.isfinite(metrics["actor/grad_norm"])
-        assert 0.0 <= metrics["reward_mean"] <= 1.0  # the bundled charset reward is a fraction
+        low = -1.0 if algorithm == "dapo" else 0.0  # overlong shaping subtracts up to 1
+        assert low <= metrics["reward_mean"] <= 1.0  # the bundled charset reward is a fraction
         assert 1 <= metrics["response_length_mean"] <= 8
         assert metrics["tokens_per_s"] > 0 and metrics["time/generation"] > 0
         assert all(math.isfinite(v) for v in metrics.values())
@@ -161,6 +164,10 @@ def test_algorithm_runs_end_to_end(ray_two_devices, cost_model, algorithm, monke
         assert all("baseline_reward_mean" in m for m in history)
     if algorithm == "grpo":
         assert all("actor/kl_loss" in m for m in history)  # KL as a loss term
+    if algorithm == "dapo":
+        for m in history:
+            assert 0.0 <= m["dynamic_sampling/informative_fraction"] <= 1.0
+            assert m["dynamic_sampling/refill_rounds"] in (0.0, 1.0, 2.0) and "overlong/penalised_fraction" in m
     if algorithm == "reinforce_pp":
         assert history[1]["kl_coef"] != history[0]["kl_coef"]  # adaptive controller moved
     if algorithm == "ppo":  # 2 epochs x 2 mini-batches: the later ones see a moved policy (ratio != 1)
