@@ -1,16 +1,19 @@
 """The RL loop the CLI runs: one driver, plain serial Python over the role objects of hybridrl.api.
 
-One step (every algorithm): prompts -> actor.generate_sequences (hybrid engine transition + rollout)
-[-> greedy baseline for ReMax] -> rewards (rule function or reward model) [-> costs for Safe-RLHF]
--> old log-probs (actor; skipped when the update is exactly on-policy), reference log-probs, values (critics) -> advantages (algorithms/compute.py,
-KL as a reward penalty or a loss term) -> critic update(s) -> actor update -> KL controller / Lagrange
-multiplier -> metrics.
+One step, for every algorithm, is five named stages (RLTrainer.train_step):
+  _rollout     prompts -> actor.generate_many (hybrid engine transition + rollout) [+ greedy baseline]
+  _score       rewards (rule function or reward model) [+ costs]; overlong shaping, dynamic sampling
+  _evaluate    reference log-probs, old log-probs (skipped when the update is exactly on-policy), values
+  _advantages  the algorithm's registered estimator (algorithms/catalog/), KL as a reward penalty or a loss
+  _update      critic update(s) -> actor update -> KL controller / Lagrange multiplier
+then _metrics. What runs is decided by the algorithm's registry entry, never by its name.
 """
 from __future__ import annotations
 
 import logging
 import math
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,26 @@ class RestartsExhaustedError(RuntimeError):
 
 # Roles whose weights and optimizer change during training: the ones a checkpoint holds.
 TRAINED_ROLES = ("actor", "critic", "cost_critic")
+
+
+@dataclass
+class StepData:
+    """What one step's stages hand on to the next."""
+    groups: int  # prompts in the batch (each with rollout.n responses)
+    seed: int
+    out: Any  # the Rollout trained on
+    greedy: Any = None  # ReMax's greedy responses
+    scores: torch.Tensor | None = None
+    baseline: torch.Tensor | None = None
+    costs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None  # None: the update is exactly on-policy
+    values: torch.Tensor | None = None
+    cost_values: torch.Tensor | None = None
+    result: Any = None  # AdvantageResult
+    kl_coef: float = 0.0
+    sequence_kl: float = 0.0
+    metrics: dict = field(default_factory=dict)
 
 
 class RLTrainer:
@@ -137,90 +160,118 @@ class RLTrainer:
 
     # ---- one step --------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        cfg, plan, roles, timer = self.cfg, self.plan, self.roles, self.timer
-        alg, spec = cfg.algorithm, plan.algorithm
-        actor = roles["actor"]
-        timer.start_step()
+        """One RL step as named stages; which roles run and what they produce comes from the algorithm's
+        registry entry (plan.algorithm), never from its name."""
+        self.timer.start_step()
+        step = self._rollout()
+        if not self._score(step):
+            self.timer.pop()
+            self.step += 1
+            return {"skipped": 1.0}
+        self._evaluate(step)
+        self._advantages(step)
+        self._update(step)
+        return self._metrics(step)
+
+    # ---- the stages --------------------------------------------------------------------------------------
+    def _rollout(self) -> StepData:
+        """Sample rollout.n responses per prompt (and ReMax's greedy baseline) with the current policy."""
+        cfg, spec, timer = self.cfg, self.plan.algorithm, self.timer
         prompts = self.loader.next_batch()
         seed = cfg.trainer.seed * 100_003 + self.step
         with timer("generation"):  # ReMax's greedy baseline shares the sampled responses' transition
             settings = [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if spec.needs_greedy_baseline else [])
-            out, *rest = actor.generate_many(prompts, settings)
-            greedy = rest[0] if rest else None
+            out, *rest = self.roles["actor"].generate_many(prompts, settings)
         timer.add("transition", out.sequences.meta.get("timing", {}).get("transition", 0.0))
-        n = cfg.rollout.n
-        mask = out.mask
-        with timer("reward"):
-            scores = self._score("reward", out)
-            baseline = self._score("reward", greedy).repeat_interleave(n) if greedy is not None else None
-            costs = self._score("cost", out) if spec.needs_cost_model else None
-        if not self._finite_scores(scores, baseline, costs):
-            timer.pop()
-            self.step += 1
-            return {"skipped": 1.0}
-        out, scores, sample_metrics = self._shape_and_filter(out, scores, seed)
-        mask = out.mask
-        ref_log_probs = None
-        kl_coef = self.kl_ctrl.value
+        return StepData(groups=len(prompts), seed=seed, out=out, greedy=rest[0] if rest else None)
+
+    def _score(self, step: StepData) -> bool:
+        """Rewards (and costs) of the responses; shaping and dynamic sampling. False: skip the step (NaN)."""
+        n, spec = self.cfg.rollout.n, self.plan.algorithm
+        with self.timer("reward"):
+            step.scores = self._scores_of("reward", step.out)
+            if step.greedy is not None:
+                step.baseline = self._scores_of("reward", step.greedy).repeat_interleave(n)
+            step.costs = self._scores_of("cost", step.out) if spec.needs_cost_model else None
+        if not self._finite_scores(step.scores, step.baseline, step.costs):
+            return False
+        step.out, step.scores, step.metrics = self._shape_and_filter(step.out, step.scores, step.seed)
+        return True
+
+    def _evaluate(self, step: StepData) -> None:
+        """The passes over the batch the algorithm needs: reference, old log-probs, critic values."""
+        alg, roles, timer, out = self.cfg.algorithm, self.roles, self.timer, step.out
         if "ref" in roles:
             with timer("reference"):
-                ref_log_probs = roles["ref"].get_log_probs(out)
+                step.ref_log_probs = roles["ref"].get_log_probs(out)
         # One update over the whole batch is exactly on-policy: the update's own forward gives the old
         # log-probs (detached), so a separate pass is only needed for a KL penalty in the reward.
-        on_policy = alg.ppo_epochs == 1 and plan.mini_batches == 1
-        old_log_probs = None
-        if not on_policy or (ref_log_probs is not None and self.kl_mode == "reward"):
+        on_policy = alg.ppo_epochs == 1 and self.plan.mini_batches == 1
+        if not on_policy or (step.ref_log_probs is not None and self.kl_mode == "reward"):
             with timer("old_log_probs"):
-                old_log_probs = actor.compute_log_probs(out)
-        values = cost_values = None
+                step.old_log_probs = roles["actor"].compute_log_probs(out)
         if "critic" in roles:
             with timer("critic"):
-                values = roles["critic"].compute_values(out)
+                step.values = roles["critic"].compute_values(out)
                 if "cost_critic" in roles:
-                    cost_values = roles["cost_critic"].compute_values(out)
+                    step.cost_values = roles["cost_critic"].compute_values(out)
+
+    def _advantages(self, step: StepData) -> None:
+        """The algorithm's registered estimator on this batch (KL-penalised token rewards when the KL is a
+        reward penalty)."""
+        alg, mask = self.cfg.algorithm, step.out.mask
+        step.kl_coef = self.kl_ctrl.value
         token_kl = None
-        if ref_log_probs is not None and old_log_probs is not None:
-            token_kl = kl_penalty(old_log_probs, ref_log_probs, self.kl_estimator) * mask
-        index = torch.arange(len(prompts)).repeat_interleave(n)
-        result = compute_advantages(
-            alg.name, scores, mask, kl=token_kl if self.kl_mode == "reward" else None, kl_coef=kl_coef,
-            index=index, baseline_scores=baseline, values=values, cost_scores=costs, cost_values=cost_values,
+        if step.ref_log_probs is not None and step.old_log_probs is not None and self.kl_mode == "reward":
+            token_kl = kl_penalty(step.old_log_probs, step.ref_log_probs, self.kl_estimator) * mask
+        index = torch.arange(step.groups).repeat_interleave(self.cfg.rollout.n)
+        step.result = compute_advantages(
+            alg.name, step.scores, mask, kl=token_kl, kl_coef=step.kl_coef, index=index,
+            baseline_scores=step.baseline, values=step.values, cost_scores=step.costs, cost_values=step.cost_values,
             lagrange_multiplier=self.lagrange.value if self.lagrange else None, gamma=alg.gamma, lam=alg.lam)
-        metrics: dict[str, float] = dict(sample_metrics)
-        epochs, minis = alg.ppo_epochs, plan.mini_batches
+
+    def _update(self, step: StepData) -> None:
+        """Critic(s), then the actor; then the KL controller and the Lagrange multiplier see this step."""
+        alg, roles, timer, out, result = self.cfg.algorithm, self.roles, self.timer, step.out, step.result
+        epochs, minis, metrics = alg.ppo_epochs, self.plan.mini_batches, step.metrics
         if "critic" in roles:
             with timer("critic"):
-                metrics.update(roles["critic"].update(out, result.returns, values, alg.value_clip, minis, epochs))
+                metrics.update(roles["critic"].update(out, result.returns, step.values, alg.value_clip, minis, epochs))
                 if "cost_critic" in roles:
-                    cost_metrics = roles["cost_critic"].update(out, result.cost_returns, cost_values, alg.value_clip,
-                                                               minis, epochs)
+                    cost_metrics = roles["cost_critic"].update(out, result.cost_returns, step.cost_values,
+                                                               alg.value_clip, minis, epochs)
                     metrics.update({k.replace("critic/", "cost_critic/"): v for k, v in cost_metrics.items()})
         with timer("actor_update"):
-            kl_loss = self.kl_mode == "loss" and ref_log_probs is not None
-            metrics.update({f"actor/{k}" if "/" not in k else k: v for k, v in actor.update(
-                actions=out, advantages=result.advantages, old_log_probs=old_log_probs,
-                ref_log_probs=ref_log_probs if kl_loss else None, kl_loss_coef=kl_coef if kl_loss else 0.0,
-                mini_batches=minis, epochs=epochs).items()})
+            kl_loss = self.kl_mode == "loss" and step.ref_log_probs is not None
+            metrics.update({f"actor/{k}" if "/" not in k else k: v for k, v in roles["actor"].update(
+                actions=out, advantages=result.advantages, old_log_probs=step.old_log_probs,
+                ref_log_probs=step.ref_log_probs if kl_loss else None,
+                kl_loss_coef=step.kl_coef if kl_loss else 0.0, mini_batches=minis, epochs=epochs).items()})
         # the KL the controller sees: trainer log-probs when computed, else the rollout's (same policy)
-        policy_log_probs = old_log_probs if old_log_probs is not None else out.log_probs
-        sequence_kl = float(((policy_log_probs - ref_log_probs) * mask).sum(-1).mean()) \
-            if ref_log_probs is not None else 0.0
-        self.kl_ctrl.update(sequence_kl, n_steps=len(out))
+        policy_log_probs = step.old_log_probs if step.old_log_probs is not None else out.log_probs
+        step.sequence_kl = float(((policy_log_probs - step.ref_log_probs) * out.mask).sum(-1).mean()) \
+            if step.ref_log_probs is not None else 0.0
+        self.kl_ctrl.update(step.sequence_kl, n_steps=len(out))
         if self.lagrange is not None:
             metrics["lagrange_multiplier"] = self.lagrange.value
-            metrics["cost_mean"] = float(costs.mean())
-            self.lagrange.update(float(costs.mean()))
+            metrics["cost_mean"] = float(step.costs.mean())
+            self.lagrange.update(float(step.costs.mean()))
+
+    def _metrics(self, step: StepData) -> dict[str, float]:
+        """The step's metrics and stage times; the step counter moves on."""
+        out, scores, mask = step.out, step.scores, step.out.mask
         self.step += 1
-        times = timer.pop()
+        times = self.timer.pop()
         prompt_tokens = float(out.sequences["attention_mask"][:, :out.sequences["prompts"].shape[1]].sum())
         response_tokens = float(mask.sum())
+        metrics = step.metrics
         metrics.update({
             "reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
-            "kl_mean": sequence_kl, "kl_coef": kl_coef,
-            "advantage_mean": float(masked_mean(result.advantages, mask)),
+            "kl_mean": step.sequence_kl, "kl_coef": step.kl_coef,
+            "advantage_mean": float(masked_mean(step.result.advantages, mask)),
             "response_length_mean": response_tokens / len(out), "prompt_length_mean": prompt_tokens / len(out),
             "tokens_per_s": (prompt_tokens + response_tokens) / max(times.get("time/step", 0.0), 1e-9),
-            **({"baseline_reward_mean": float(baseline.mean())} if baseline is not None else {}),
+            **({"baseline_reward_mean": float(step.baseline.mean())} if step.baseline is not None else {}),
             **times})
         self._check_finite(metrics)
         return metrics
@@ -249,14 +300,14 @@ class RLTrainer:
                     extra, = actor.generate_many(self.loader.next_batch(), [{"seed": seed + 7919 * round_}])
                 timer.add("transition", extra.sequences.meta.get("timing", {}).get("transition", 0.0))
                 with timer("reward"):
-                    return extra, self._overlong(extra, self._score("reward", extra))
+                    return extra, self._overlong(extra, self._scores_of("reward", extra))
 
             pad = actor.tokenizer.pad_token_id or 0
             out, scores, refill_metrics = refill(out, scores, n, alg.max_refill_rounds, more, pad)
             metrics.update(refill_metrics)
         return out, scores, metrics
 
-    def _score(self, role: str, rollout: Any) -> torch.Tensor:
+    def _scores_of(self, role: str, rollout: Any) -> torch.Tensor:
         # the rollout carries its prompts (one per response): a reward model reuses the token ids when it
         # shares the actor's tokenizer, else re-tokenizes prompt + response text with its own
         return self.roles[role].score(rollout.prompt_texts, rollout).float()
