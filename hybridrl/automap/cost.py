@@ -15,10 +15,11 @@ Device speed.  A GEMM over m rows runs at peak * mfu * m / (m + half_rows) ("bat
   and decode are far from peak). CPU "devices" are processes sharing the machine's cores: each gets
   cores/devices of the calibrated one-core FLOP/s and bandwidth, and per-op overheads slow down by
   devices/cores once devices outnumber cores.
-Links.  A collective inside a node moves at the per-device intra-node bandwidth (NVLink); one crossing
-  nodes at the node's inter-node bandwidth (InfiniBand) shared by all devices of the node (they all
-  communicate at once in data-parallel steps). Ring costs: all-reduce 2(g-1)/g * bytes / bw + latency,
-  all-gather and reduce-scatter (g-1)/g * bytes / bw + latency. No overlap of communication with compute.
+Links.  Collectives are hierarchical: the members of a group on one node reduce over the intra-node link
+  (NVLink, per device), then the nodes exchange their 1/q shares over the node's inter-node link (InfiniBand,
+  per node), which all devices of the pool on that node use at once. A ring over g members moves (g-1)/g of
+  the buffer per pass (reduce-scatter, all-gather: 1 pass; all-reduce: 2) plus one latency. No overlap of
+  communication with compute (conservative: Megatron can overlap the data-parallel gradient reduce).
 Forward (log-prob / value / reward passes): 2 N + 2 L h T FLOPs per token (2 x params x tokens, plus causal
   attention), per micro-batch on each pipeline stage 1/p of it over t devices; 2 TP all-reduces of m h pb
   bytes per layer; a p2p send of m h pb bytes between stages; layer_overhead per layer; 1F1B fill/drain:
