@@ -89,7 +89,7 @@ def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model:
 
 
 def set_partitions(items: list[str]) -> Iterator[list[list[str]]]:
-    """Every way to split `items` into non-empty blocks (Bell number many), the first item's block first."""
+    """Every way to split `items` into non-empty blocks (Bell number many)."""
     if not items:
         yield []
         return
@@ -228,6 +228,7 @@ class Mapper:
         placements = 0
         counter = itertools.count()
         for partition in set_partitions(units):
+            partition.sort(key=lambda block: "actor" not in block)  # the actor's pool first
             blocks = [tuple(r for u in block for r in UNITS[u] if r in prob.roles) for block in partition]
             variants = [(blocks, [True] * len(blocks))]
             if rollout_pool:
