@@ -18,9 +18,6 @@ from hybridrl.automap.search import Mapper, make_problem, mapping_json, pool_nam
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = {"actor": "actor", "ref": "ref", "critic": "critic", "cost_critic": "critic", "reward": "reward_model",
-            "cost": "cost_model"}
-
 
 def _machine(devices: int, nodes: int, dtype: str):
     import torch
@@ -40,6 +37,7 @@ def apply_auto_map(cfg: Any) -> dict:
     from hybridrl.automap.cost import Workload
     from hybridrl.config import ConfigError
     from hybridrl.models.tiny import default_model_dir
+    from hybridrl.trainer.plan import ROLE_SECTIONS
 
     alg, roll, data, res = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources
     try:
@@ -77,7 +75,7 @@ def apply_auto_map(cfg: Any) -> dict:
         else:
             res.pools[name] = choice.devices
         for role in choice.roles:
-            section = cfg[SECTIONS[role]]
+            section = cfg[ROLE_SECTIONS.get(role, role)]
             section.pool = name
             section.parallel.tp, section.parallel.pp, section.parallel.dp = choice.tp, choice.pp, choice.dp
             section.micro_batch_size = choice.micro_batch

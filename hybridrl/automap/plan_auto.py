@@ -15,9 +15,6 @@ from pathlib import Path
 
 from hybridrl.automap.search import EXECUTIONS, Mapper, Mapping, make_problem, mapping_json
 
-SECTIONS = {"actor": "actor", "ref": "ref", "critic": "critic", "cost_critic": "critic", "reward": "reward_model",
-            "cost": "cost_model"}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from hybridrl.automap.hardware import GPUS
@@ -165,6 +162,8 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
         raise ValueError("the best mapping places pools on whole nodes, but hybridrl's ResourcePool spreads every "
                          "pool over all resources.nodes; rerun with --execution trainer to search the mappings "
                          "hybridrl train runs")
+    from hybridrl.trainer.plan import ROLE_SECTIONS
+
     work, roles = report["workload"], best["roles"]
     tokens = work["prompt_len"] + work["response_len"]
     sequences = work["prompts"] * work["samples_per_prompt"]
@@ -185,7 +184,7 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
     if pools:
         cfg["resources"]["pools"] = pools
     for role, info in roles.items():
-        section = cfg.setdefault(SECTIONS[role], {})
+        section = cfg.setdefault(ROLE_SECTIONS.get(role, role), {})
         par = info["parallel"]
         section.update(pool=info["pool"], parallel={"tp": par["tp"], "pp": par["pp"], "dp": par["dp"]},
                        micro_batch_size=info["micro_batch_size"],
