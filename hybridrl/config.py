@@ -157,6 +157,7 @@ class ResourcesConfig:
     nodes: int = 1
     pools: dict[str, int] = field(default_factory=dict)  # extra named pools: name -> devices
     ray_address: Optional[str] = None  # None: start a local Ray cluster
+    auto_map: bool = False  # search placement + layouts for this machine (hybridrl/automap/apply.py)
 
 
 @dataclass

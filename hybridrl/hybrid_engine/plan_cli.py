@@ -1,6 +1,7 @@
 """`hybridrl plan`: the 3D-HybridEngine plan and the per-GPU transition cost of every strategy.
 
     hybridrl plan --model llama-70b --train-tp 8 --train-pp 8 --train-dp 2 --gen-tp 8 --gen-pp 1 [--json]
+    hybridrl plan --auto --model llama-70b --algorithm ppo --gpus 128 --gpu a100-80g [--json]  (automap/plan_auto.py)
 
 Sizes come from the real parameter shapes of the model built on the meta device (no memory needed).
 """
@@ -23,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="parameter dtype")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--per-rank", action="store_true", help="also list every rank's shard and costs")
+    from hybridrl.automap import plan_auto
+
+    plan_auto.add_arguments(parser)
 
 
 def _gib(n: float) -> str:
@@ -81,6 +85,10 @@ def _print_text(report: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     from hybridrl.parallel.layout import LayoutError
 
+    if args.auto:
+        from hybridrl.automap import plan_auto
+
+        return plan_auto.run(args)
     try:
         report = build_report(args)
     except (LayoutError, ValueError) as exc:

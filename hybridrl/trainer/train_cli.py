@@ -14,6 +14,7 @@ error, 3 non-finite step with on_nan=stop, 4 workers died more than max_restarts
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -86,8 +87,13 @@ def run(args: argparse.Namespace) -> int:
     from hybridrl.trainer.tracking import MetricsTracker
 
     config, overrides = _split(args)
+    auto_map = None
     try:
         cfg = load_config(config or DEFAULT_CONFIG, overrides)
+        if cfg.resources.auto_map:  # choose pools and layouts for this machine (hybridrl/automap/apply.py)
+            from hybridrl.automap.apply import apply_auto_map
+
+            auto_map = apply_auto_map(cfg)
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
@@ -100,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     print(f"run folder: {run_dir}", flush=True)
+    if auto_map is not None:
+        (run_dir / "auto_map.json").write_text(json.dumps(auto_map, indent=1))
+        best = auto_map["best"]
+        print(f"auto_map: {best['label']} ({best['kind']}), modelled {best['estimate']['step_s']:.3f} s/step on "
+              f"{auto_map['machine']}", flush=True)
     roles = ", ".join(f"{r.name}@{r.pool}({r.layout.describe()})" for r in plan.roles.values())
     print(f"{cfg.algorithm.name}: {roles}; rollout {cfg.rollout.engine} tp={cfg.rollout.tp}", flush=True)
     tracker = MetricsTracker(run_dir, backends=list(cfg.trainer.trackers), project=cfg.trainer.project,

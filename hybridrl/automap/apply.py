@@ -1,0 +1,92 @@
+"""`resources.auto_map=true` in `hybridrl train`: search the mapping for the machine this runs on and write it
+into the config before the run is planned (trainer/plan.py then checks it like any hand-written layout).
+
+The machine: on GPUs the preset of the device's type (hardware.detect_gpu) with resources.devices (+ pools)
+over resources.nodes; on CPU a model calibrated on the spot (hardware.cpu_calibrated). The search runs in
+the "trainer" execution model (calls in sequence, every pool spread over all nodes: what the trainer does).
+It decides, for every role with devices: its pool (and the pools' sizes, which together use all devices),
+its (tp, pp, dp), its micro-batch (at most the configured one), and the actor's rollout.tp / rollout.pp.
+Everything else in the config is kept.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from hybridrl.automap.search import Mapper, make_problem, mapping_json, pool_name
+
+logger = logging.getLogger(__name__)
+
+
+def _machine(devices: int, nodes: int, dtype: str):
+    import torch
+
+    from hybridrl.automap.hardware import cpu_calibrated, detect_gpu
+
+    acc = detect_gpu(devices // nodes) if torch.cuda.is_available() else cpu_calibrated(devices)
+    if dtype == "float32":
+        acc = replace(acc, param_bytes=4, mixed_precision=False)
+    return acc
+
+
+def apply_auto_map(cfg: Any) -> dict:
+    """Choose and write the mapping into `cfg` (in place); returns the search report (auto_map.json)."""
+    import hybridrl.algorithms  # noqa: F401
+    from hybridrl.algorithms.registry import get_algorithm
+    from hybridrl.automap.cost import Workload
+    from hybridrl.config import ConfigError
+    from hybridrl.models.tiny import default_model_dir
+    from hybridrl.trainer.plan import ROLE_SECTIONS
+
+    alg, roll, data, res = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources
+    try:
+        spec = get_algorithm(alg.name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    devices = int(res.devices) + sum(int(v) for v in res.pools.values())
+    rows = data.batch_size * roll.n
+    mini_batches = rows // alg.mini_batch_size if alg.mini_batch_size else 1
+    on_policy = alg.ppo_epochs == 1 and mini_batches == 1
+    kl_ever = alg.kl.coef > 0 or (alg.kl.type == "linear" and alg.kl.final_coef > 0)
+    reference = spec.uses_reference and kl_ever
+    work = Workload(prompts=data.batch_size, prompt_len=data.max_prompt_length, response_len=roll.max_new_tokens,
+                    samples=roll.n, greedy=spec.needs_greedy_baseline,
+                    mini_batches=mini_batches, epochs=alg.ppo_epochs,
+                    old_log_probs=not on_policy or (reference and alg.kl.mode == "reward"),
+                    max_decode_batch=roll.max_batch_size)
+    actor_path = str(cfg.actor.model.path or default_model_dir())
+    try:
+        acc = _machine(devices, int(res.nodes), cfg.actor.model.dtype)
+        prob = make_problem(actor_path, alg.name, acc, devices, work, critic_model=cfg.critic.model.path,
+                            reward_model=cfg.reward_model.model, cost_model=cfg.cost_model.model, reference=reference)
+        budget = cfg.actor.max_tokens_per_micro_batch
+        prob.max_micro_batch = max(1, budget // work.tokens) if budget else cfg.actor.micro_batch_size
+        result = Mapper(prob, "trainer").search(top_k=3)
+    except ValueError as exc:
+        raise ConfigError(f"resources.auto_map: {exc}") from None
+
+    best = result.best
+    res.pools = {}
+    for choice in best.pools:
+        name = pool_name(choice)
+        if name == "default":
+            res.devices = choice.devices
+        else:
+            res.pools[name] = choice.devices
+        for role in choice.roles:
+            section = cfg[ROLE_SECTIONS.get(role, role)]
+            section.pool = name
+            section.parallel.tp, section.parallel.pp, section.parallel.dp = choice.tp, choice.pp, choice.dp
+            section.micro_batch_size = choice.micro_batch
+            section.max_tokens_per_micro_batch = choice.micro_batch * work.tokens
+        if "actor" in choice.roles:
+            roll.tp, roll.pp = choice.gen_tp, choice.gen_pp
+    report = {"machine": acc.describe(), "calibration": {"peak_flops": acc.peak_flops, "memory_bw": acc.memory_bw,
+                                                         "layer_overhead_s": acc.layer_overhead},
+              "execution": result.execution.name, "best": mapping_json(best, prob),
+              "top": [mapping_json(m, prob) for m in result.top],
+              "candidates": {**result.counts, "search_s": round(result.seconds, 3)}}
+    logger.info("resources.auto_map on %s: %s (%s), modelled %.3f s/step", acc.describe(), best.label, best.kind,
+                best.step_s)
+    return report
