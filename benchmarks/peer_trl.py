@@ -163,7 +163,7 @@ class TreeSampler(threading.Thread):
         self.peak_rss = 0
         self.max_procs = 0
         self.worker_env: dict[str, str] = {}
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         import psutil
@@ -172,7 +172,7 @@ class TreeSampler(threading.Thread):
             root = psutil.Process(self.pid)
         except psutil.NoSuchProcess:
             return
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 procs = [root] + root.children(recursive=True)
             except psutil.NoSuchProcess:
@@ -181,19 +181,20 @@ class TreeSampler(threading.Thread):
             for proc in procs:
                 try:
                     total += proc.memory_info().rss
-                    if not self.worker_env and proc.name().startswith("ray::"):
+                    name = proc.name()
+                    if not self.worker_env and name.startswith("ray::") and "Agent" not in name:
                         env = proc.environ()
                         self.worker_env = {k: env.get(k, "") for k in ("PYTHONPATH", "OMP_NUM_THREADS",
                                                                         "OMP_WAIT_POLICY")}
-                        self.worker_env["cmd"] = " ".join(proc.cmdline())[:80]
+                        self.worker_env["process"] = name
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
             self.peak_rss = max(self.peak_rss, total)
             self.max_procs = max(self.max_procs, len(procs))
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=2)
 
 
@@ -452,7 +453,7 @@ def write_markdown(report: dict, path: Path) -> None:
                                                ("generation", "transition", "reward", "actor_update", "other"))
         ratio = row.get("ratio_vs_trl")
         cells = [row["size"], row["side"], row["layout"], str(row["steps"]), f"{row['tokens_per_s']:.0f}",
-                 f"{ratio:.2f}" if ratio is not None else "1.00", f"{row['step_s']:.3f}",
+                 f"{ratio:.2f}" if ratio is not None else ("1.00" if row["side"] == "trl" else "-"), f"{row['step_s']:.3f}",
                  f"{st.get('generation', 0.0):.3f}",
                  f"{st['transition']:.3f} ({100 * row['stage_share']['transition']:.0f}%)" if "transition" in st
                  else "-", f"{st.get('reward', 0.0):.3f}", f"{update:.3f}",
@@ -503,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="small,25m", help="comma list of: " + ", ".join(SIZES))
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steps per side (default {DEFAULT_STEPS}; step 1 is warm-up, not timed)")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="hybridrl layouts, comma list of: tp1, tp2->1")
+    parser.add_argument("--layouts", default=None, help="hybridrl layouts, comma list of: tp1, tp2->1 (default both)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the interleaved TRL / hybridrl cycle")
     parser.add_argument("--quick", action="store_true", help="small model, 6 steps, tp1 only")
     parser.add_argument("--no-trl", action="store_true", help="hybridrl side only (no venv)")
@@ -520,9 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.quick:
-        args.sizes, args.layouts, args.steps = "small", "tp1", args.steps or 6
+        args.sizes, args.layouts, args.steps = "small", args.layouts or "tp1", args.steps or 6
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+    layouts = [s.strip() for s in (args.layouts or ",".join(LAYOUTS)).split(",") if s.strip()]
     if not sizes or any(s not in SIZES for s in sizes):
         parser.error(f"--sizes: choose from {list(SIZES)}")
     if any(layout not in LAYOUTS for layout in layouts):
