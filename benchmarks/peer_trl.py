@@ -23,7 +23,7 @@ sequences, steps 2..N) / (seconds of steps 2..N); step 1 (warm-up, lazy allocati
 per-stage breakdown is the mean over steps 2..N (hybridrl: time/<stage> of RUN/metrics.jsonl; TRL:
 generation, reward, the rest of the rollout, the forward/backward and the optimizer step, timed with
 wrappers and callbacks). Peak RSS sums the resident memory of the side's whole process tree (driver,
-raylet/GCS and every Ray worker), sampled by a psutil thread every 0.1 s.
+raylet/GCS and every Ray worker), sampled by a psutil thread every 0.2 s.
 
     python benchmarks/peer_trl.py                       # both sizes, both layouts (~15-20 min on 2 cores)
     python benchmarks/peer_trl.py --quick               # small model only, 6 steps, tp1
@@ -154,15 +154,17 @@ def count_tokens_per_s(steps: list[dict], skip: int = 1) -> tuple[float, float, 
 
 # ---- process-tree memory -------------------------------------------------------------------------
 class TreeSampler(threading.Thread):
-    """Samples the summed RSS of a process and all its descendants every `interval` s; keeps the peak,
+    """Samples the summed RSS of a process and all its descendants every `interval` s (the process list is
+    refreshed every second); keeps the peak,
     the most processes seen, and the environment (PYTHONPATH, OMP_*) of the Ray worker processes."""
 
-    def __init__(self, pid: int, interval: float = 0.1) -> None:
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
         super().__init__(daemon=True)
         self.pid, self.interval = pid, interval
         self.peak_rss = 0
         self.max_procs = 0
         self.worker_env: dict[str, str] = {}
+        self.loads: list[float] = []  # 1-min load average, once a second
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -172,17 +174,21 @@ class TreeSampler(threading.Thread):
             root = psutil.Process(self.pid)
         except psutil.NoSuchProcess:
             return
+        procs, found_at = [root], 0.0
         while not self._halt.is_set():
-            try:
-                procs = [root] + root.children(recursive=True)
-            except psutil.NoSuchProcess:
-                break
+            if time.monotonic() - found_at > 1.0:  # walking /proc for descendants costs more than sampling them
+                try:
+                    procs = [root] + root.children(recursive=True)
+                except psutil.NoSuchProcess:
+                    break
+                found_at = time.monotonic()
+                self.loads.append(os.getloadavg()[0])
             total = 0
             for proc in procs:
                 try:
                     total += proc.memory_info().rss
-                    name = proc.name()
-                    if not self.worker_env and name.startswith("ray::") and "Agent" not in name:
+                    name = "" if self.worker_env else proc.name()
+                    if name.startswith("ray::") and "Agent" not in name:
                         env = proc.environ()
                         self.worker_env = {k: env.get(k, "") for k in ("PYTHONPATH", "OMP_NUM_THREADS",
                                                                         "OMP_WAIT_POLICY")}
@@ -216,7 +222,9 @@ def run_side(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float
         tail = log_path.read_text()[-4000:]
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {rc}); log {log_path}:\n{tail}")
     return {"wall_s": time.perf_counter() - start, "peak_rss_mib": sampler.peak_rss / 2**20,
-            "processes": sampler.max_procs, "worker_env": sampler.worker_env}
+            "processes": sampler.max_procs, "worker_env": sampler.worker_env,
+            "load_mean": sum(sampler.loads) / len(sampler.loads) if sampler.loads else float("nan"),
+            "load_max": max(sampler.loads, default=float("nan"))}
 
 
 def side_env(threads: int, pythonpath: str | None) -> dict[str, str]:
@@ -418,6 +426,7 @@ def summarize(side: str, size: str, layout: str, steps: list[dict], proc: dict, 
     row = {"size": size, "side": side, "layout": layout, "steps": len(steps), "tokens_per_s": tps,
            "step_s": step_s, "tokens_timed": tokens, "seconds_timed": seconds,
            "peak_rss_mib": proc["peak_rss_mib"], "processes": proc["processes"], "wall_s": proc["wall_s"],
+           "load_mean": proc["load_mean"], "load_max": proc["load_max"],
            "reward_first": steps[0].get("reward_mean"), "reward_last": steps[-1].get("reward_mean"),
            "stages_s": stages, "stage_share": {k: v / step_s for k, v in stages.items()}}
     if proc.get("worker_env"):
@@ -438,10 +447,12 @@ def write_markdown(report: dict, path: Path) -> None:
              f"torch {meta['trl_versions'].get('torch')} (benchmarks/.venv-trl). hybridrl side: torch "
              f"{meta['hybridrl_torch']}, transformers {meta['hybridrl_transformers']}, native engine.",
              "tokens/s = (prompt + response tokens of the sampled sequences) / seconds, steps 2..N; stage columns: "
-             "mean seconds per step over steps 2..N; peak RSS: whole process tree (driver + Ray daemons + workers).", "",
+             "mean seconds per step over steps 2..N; peak RSS: whole process tree (driver + Ray daemons + workers); "
+             "load: the machine's 1-min load average while that side ran (2 cores: above ~2 another job was "
+             "competing for them).", "",
              "| size | side | layout | steps | tokens/s | vs TRL | s/step | generation | transition | reward | "
-             "fwd+bwd / actor_update | optimizer | other | peak RSS MiB | procs |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "fwd+bwd / actor_update | optimizer | other | peak RSS MiB | procs | load mean/max |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         st = row["stages_s"]
         if row["side"] == "trl":
@@ -458,7 +469,8 @@ def write_markdown(report: dict, path: Path) -> None:
                  f"{st['transition']:.3f} ({100 * row['stage_share']['transition']:.0f}%)" if "transition" in st
                  else "-", f"{st.get('reward', 0.0):.3f}", f"{update:.3f}",
                  f"{opt:.3f}" if opt is not None else "(in update)", f"{other:.3f}",
-                 f"{row['peak_rss_mib']:.0f}", str(row["processes"])]
+                 f"{row['peak_rss_mib']:.0f}", str(row["processes"]),
+                 f"{row.get('load_mean', float('nan')):.1f}/{row.get('load_max', float('nan')):.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Notes:", ""] + [f"- {note}" for note in report.get("notes", [])] + [""]
     path.write_text("\n".join(lines))
