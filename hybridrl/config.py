@@ -171,6 +171,7 @@ class TrainerConfig:
     resume: str = "never"  # never | auto | PATH
     max_restarts: int = 0
     on_nan: str = "stop"  # stop | skip
+    max_skipped_steps: int = 5  # on_nan=skip: this many non-finite steps in a row end the run (exit 3)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # + wandb | mlflow
     project: str = "hybridrl"  # wandb project / MLflow experiment
     progress_bar: bool = True

@@ -271,6 +271,43 @@ def test_nan_reward_policy_and_no_poisoned_checkpoint(ray_cluster, tmp_path, cap
         assert ckpt.load_driver_state(run_dir / "ckpt" / "step_3")["loader"]["batch_in_epoch"] == 3
 
 
+def test_all_skipped_steps_end_the_run_nonzero(ray_cluster, tmp_path, capsys):
+    """Every reward NaN with on_nan=skip: the run stops with exit code 3 after trainer.max_skipped_steps
+    skipped steps in a row instead of 'finishing' without ever updating."""
+    hook = _hook()
+    hook.update(nan_calls=range(10 ** 6))
+    run_dir = tmp_path / "all_skipped"
+    rc, err = _cli(["trainer.steps=5", "trainer.on_nan=skip", "trainer.max_skipped_steps=2",
+                    f"trainer.run_dir={run_dir}", f"reward.fn={HOOK_REWARD}"], capsys)
+    assert rc == 3
+    assert "2 steps in a row (up to step 2)" in err and "trainer.max_skipped_steps=2" in err
+    assert _records(run_dir) == [{"step": 1, "skipped": 1.0}, {"step": 2, "skipped": 1.0}]
+
+
+def test_reward_function_errors_name_the_function_and_the_row(ray_cluster, tmp_path, capsys):
+    """A reward function that raises mid-run: exit 2 with one line naming the function, the row and the cause;
+    the traceback goes to RUN/error.log. One that returns a non-number is named the same way."""
+    from hybridrl.workers.rule_reward import RewardFunctionError, RuleReward
+
+    def bad_row():
+        raise ValueError("no reference answer")
+
+    hook = _hook()
+    hook.update(on_call=bad_row, fire_at=ROWS_PER_STEP + 2)  # step 2's third row
+    run_dir = tmp_path / "reward_raises"
+    rc, err = _cli(["trainer.steps=3", f"trainer.run_dir={run_dir}", f"reward.fn={HOOK_REWARD}"], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2
+    assert lines[-1].startswith(f"hybridrl train: reward function {HOOK_REWARD} raised ValueError: no reference "
+                                f"answer on row 2 (prompt "), lines[-1]
+    assert lines[-1].endswith(f"(traceback in {run_dir / 'error.log'})")
+    assert "in bad_row" in (run_dir / "error.log").read_text()
+    assert [r["step"] for r in _records(run_dir)] == [1]
+
+    with pytest.raises(RewardFunctionError, match=r"reward function .*<lambda> returned str 'high' on row 1 \("):
+        RuleReward(lambda prompt, response: 1.0 if prompt == "a" else "high").score(["a", "b"], ["x", "y"])
+
+
 def test_checkpoint_exports_to_hf_with_the_trained_actors_logits(reference_run, tmp_path):
     """`hybridrl convert --from ckpt --to hf RUN/ckpt/step_6 OUT`: transformers loads OUT and its log-probs
     of a rollout equal the live trained actor's; the tensors equal the live actor's own HF export."""

@@ -4,6 +4,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -225,10 +226,17 @@ def test_failures_surface_with_rank_and_cause(two_pools):
         group.call("span", 2.0, timeout_s=0.5).result()
 
     # rank 1 raises while rank 0 waits in a collective for it: the error arrives, not a hang
-    stuck = WorkerGroup(two_pools[1], ProbeWorker, role="stuck")
+    stuck = WorkerGroup(two_pools[1], ProbeWorker, role="stuck", call_timeout_s=20)
     with pytest.raises(WorkerError, match="boom at rank 1"):
         stuck.call("fail_on", 1, True, timeout_s=30).result()
-    two_pools[1].shutdown()  # its rank 0 is still blocked in the collective
+    pids = [info["pid"] for info in stuck.worker_info]
+    # rank 0 is still blocked in the collective: closing kills the pool's processes instead of queueing a
+    # removal behind the collective (which would time out after call_timeout_s and raise here)
+    stuck.close()
+    assert two_pools[1]._hosts.actors == []
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=30)
+    assert not alive
+    two_pools[1].shutdown()
 
     # a killed worker process: the pending call and later calls name the dead rank
     future = group.span.remote(60.0)

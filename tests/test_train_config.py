@@ -57,6 +57,27 @@ def test_cli_reports_config_error_without_starting_ray(capsys):
     assert not ray.is_initialized()
 
 
+def test_run_folder_in_use_or_unwritable_is_refused_before_ray(tmp_path, capsys):
+    """A second run on a folder another run holds, and a folder that cannot be written: exit 2, one line."""
+    import ray
+
+    from hybridrl.trainer.run_lock import lock_run_dir
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    lock_run_dir(busy)  # as a running `hybridrl train` does; flock refuses a second open file, even in-process
+    assert main(["train", f"trainer.run_dir={busy}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"trainer.run_dir={busy} is in use by a running hybridrl train" in err[0], err
+    assert f"pid {__import__('os').getpid()}" in err[0]
+    assert not (busy / "config.yaml").exists()
+
+    assert main(["train", "trainer.run_dir=/proc/hybridrl-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trainer.run_dir=/proc/hybridrl-run: cannot write there" in err[0], err
+    assert not ray.is_initialized()
+
+
 def test_print_config(capsys):
     assert main(["train", "--print-config", "trainer.steps=7"]) == 0
     assert "steps: 7" in capsys.readouterr().out

@@ -6,9 +6,12 @@ cluster. The local cluster binds to 127.0.0.1 only and sends nothing off the mac
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,16 @@ def worker_python_path() -> str:
     return os.pathsep.join(dict.fromkeys(entries + ([existing] if existing else [])))
 
 
+def _worker_temp_dir() -> str:
+    """A temp folder for this cluster's workers, removed when the driver exits. Workers leave files in the
+    temp dir that no finaliser removes when Ray ends them (wandb's media/artifact folders, imported by
+    megatron.core.inference; the pymp-* folder of Megatron's checkpoint-writer Manager). The name is short:
+    the Manager's AF_UNIX socket lives two levels below it and such paths must stay under 108 bytes."""
+    folder = tempfile.mkdtemp(prefix="hrl-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def init_local_ray(num_devices: int, num_cpus: int | None = None,
                    object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES, log_to_driver: bool = True) -> dict:
     """Start a private single-node Ray on loopback with `num_devices` GPU resources.
@@ -60,7 +73,8 @@ def init_local_ray(num_devices: int, num_cpus: int | None = None,
     ray.init(address="local", num_gpus=num_devices, num_cpus=num_cpus or os.cpu_count() or 1,
              include_dashboard=False, object_store_memory=object_store_bytes, _node_ip_address=LOOPBACK,
              log_to_driver=log_to_driver, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": worker_python_path(), "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+             runtime_env={"env_vars": {"PYTHONPATH": worker_python_path(), "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
+                                       "TMPDIR": _worker_temp_dir()}})
     resources = ray.cluster_resources()
     if f"node:{LOOPBACK}" not in resources:
         ray.shutdown()

@@ -103,8 +103,9 @@ class GroupFuture:
     """The pending result of one group call; `result()` waits, collects and caches it."""
 
     def __init__(self, role: str, method: str, refs: dict[int, Any], collect: Callable[[dict[int, Any]], Any],
-                 timeout_s: float | None) -> None:
+                 timeout_s: float | None, on_failure: Callable[[], None] = lambda: None) -> None:
         self.role, self.method, self.refs, self._collect, self.timeout_s = role, method, refs, collect, timeout_s
+        self._on_failure = on_failure
         self._results: dict[int, Any] = {}
         self._done = False
         self._value: Any = None
@@ -112,7 +113,11 @@ class GroupFuture:
 
     def result(self, timeout_s: float | None = None) -> Any:
         if not self._done:
-            _wait_ranks(self.refs, self.role, self.method, timeout_s or self.timeout_s, self._results)
+            try:
+                _wait_ranks(self.refs, self.role, self.method, timeout_s or self.timeout_s, self._results)
+            except WorkerError:
+                self._on_failure()
+                raise
             self._finish()
         return self._value
 
@@ -121,8 +126,12 @@ class GroupFuture:
 
     def done(self) -> bool:
         """True when every rank has finished (failures raise here too)."""
-        if not self._done and _poll_ranks(self.refs, self._results, self.role, self.method, 0):
-            self._finish()
+        try:
+            if not self._done and _poll_ranks(self.refs, self._results, self.role, self.method, 0):
+                self._finish()
+        except WorkerError:
+            self._on_failure()
+            raise
         return self._done
 
     def __repr__(self) -> str:
@@ -179,7 +188,13 @@ class _PoolHosts:
         self.master = (address, port)
         self.layout: ParallelLayout | None = None
         self.roles: set[str] = set()
+        # a call failed on some rank: its peers may be blocked in a collective with it for the process-group
+        # timeout, and any call queued behind that would wait as long; the processes are killed instead
+        self.failed = False
         logger.info("pool %r: %d workers in one %s:%d process group", pool.name, len(self.actors), address, port)
+
+    def mark_failed(self) -> None:
+        self.failed = True
 
     def kill(self) -> None:
         import ray
@@ -246,6 +261,8 @@ class WorkerGroup:
     def close(self) -> None:
         """Remove this role from the pool's processes (the processes and process group stay for other roles)."""
         hosts = self._hosts
+        if hosts.failed and hosts.actors:  # no graceful removal: ranks may hang in a collective (see failed)
+            hosts.kill()
         if self.role in hosts.roles and hosts.actors:
             _wait_ranks({r: a.remove_role.remote(self.role) for r, a in enumerate(hosts.actors)}, self.role,
                         "close", self.call_timeout_s)
@@ -282,7 +299,8 @@ class WorkerGroup:
             refs[rank] = self._hosts.actors[rank].call.remote(
                 self.role, method, keep, *[stored_ref(a) for a in rank_args],
                 **{k: stored_ref(v) for k, v in rank_kwargs.items()})
-        return GroupFuture(self.role, method, refs, plan.collect, spec.timeout_s or self.call_timeout_s)
+        return GroupFuture(self.role, method, refs, plan.collect, spec.timeout_s or self.call_timeout_s,
+                           self._hosts.mark_failed)
 
     def __repr__(self) -> str:
         return f"WorkerGroup(role={self.role!r}, pool={self.pool.name!r}, layout=({self.layout.describe()}))"

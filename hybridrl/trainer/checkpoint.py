@@ -92,10 +92,14 @@ class CheckpointManager:
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for step `step` (stale ones from a killed save are removed first)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        self.discard_partial()
+        return Path(tempfile.mkdtemp(prefix=f"{step_dir_name(step)}.tmp-", dir=self.root))
+
+    def discard_partial(self) -> None:
+        """Remove folders of saves that never finished (a killed or interrupted run)."""
         for stale in self.root.glob("step_*.tmp-*"):
             logger.warning("removing %s left by an interrupted save", stale)
             shutil.rmtree(stale, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f"{step_dir_name(step)}.tmp-", dir=self.root))
 
     def commit(self, tmp: Path, step: int) -> Path:
         """Publish a completely written temporary folder as step_N, point `latest` at it, prune old ones."""

@@ -93,13 +93,19 @@ class RLTrainer:
         self.timer = StageTimer()
 
     # ---- roles -----------------------------------------------------------------------------------------
+    def start_ray(self) -> None:
+        """Start Ray (local unless resources.ray_address), or reuse the one this driver runs."""
+        from hybridrl.controller import ensure_ray
+
+        ensure_ray(num_devices=sum(self.plan.pools.values()), address=self.cfg.resources.ray_address)
+
     def start(self) -> None:
-        """Start Ray (local unless resources.ray_address) and every role on its pool."""
+        """Start Ray and every role on its pool."""
         from hybridrl.api import Actor, Critic, ReferencePolicy, RewardModel
-        from hybridrl.controller import ResourcePool, ensure_ray
+        from hybridrl.controller import ResourcePool
 
         cfg, plan = self.cfg, self.plan
-        ensure_ray(num_devices=sum(plan.pools.values()), address=cfg.resources.ray_address)
+        self.start_ray()
         self.pools = {name: ResourcePool(devices=n, nodes=cfg.resources.nodes, name=name) for name, n in plan.pools.items()}
         seed = cfg.trainer.seed
         timeout = cfg.trainer.call_timeout_s
@@ -386,8 +392,10 @@ class RLTrainer:
     def fit(self, tracker: Any, checkpoints: CheckpointManager | None = None) -> list[dict[str, float]]:
         history = []
         save_every = self.cfg.trainer.save_every
+        skipped_in_a_row = 0
         while self.step < self.cfg.trainer.steps:
             metrics = self.train_step()
+            skipped_in_a_row = 0 if step_was_finite(metrics) else skipped_in_a_row + 1
             tracker.log(self.step, metrics)
             if self.cfg.trainer.log_every and self.step % self.cfg.trainer.log_every == 0:
                 line = tracker.show(self.step, metrics) if self.cfg.trainer.progress_bar else \
@@ -400,6 +408,10 @@ class RLTrainer:
                     self.save_checkpoint(checkpoints)
                 else:  # a poisoned step: keep the previous checkpoint as the one to come back to
                     logger.warning("step %d was not finite: no checkpoint written for it", self.step)
+            if skipped_in_a_row >= self.cfg.trainer.max_skipped_steps:  # nothing is being learned any more
+                raise NonFiniteError(f"{skipped_in_a_row} steps in a row (up to step {self.step}) were not finite "
+                                     f"and skipped (trainer.max_skipped_steps={self.cfg.trainer.max_skipped_steps}); "
+                                     f"check the reward function and lower actor.optim.lr")
         return history
 
     def run(self, tracker: Any, run_dir: str | Path, resume_from: str | Path | None = None) -> list[dict[str, float]]:

@@ -29,7 +29,16 @@ def new_run_dir(base: str | Path | None, algorithm: str) -> Path:
         path = Path(base)
     else:
         path = Path("runs") / f"{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        from hybridrl.config import ConfigError
+
+        raise ConfigError(f"trainer.run_dir={path}: cannot write there ({exc.strerror or exc}); choose a folder "
+                          f"you can write to") from None
     return path.resolve()
 
 

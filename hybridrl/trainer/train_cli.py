@@ -8,8 +8,9 @@ curves.png.
 Checkpoints and recovery (trainer.*): save_every=K writes RUN/ckpt/step_N every K steps (keep_last kept;
 see trainer/checkpoint.py); resume=auto continues RUN (trainer.run_dir) from its latest complete checkpoint,
 resume=PATH from a given one (a step_N folder, a ckpt folder or a run folder); max_restarts=R recovers from R
-dead workers (roles torn down, restarted, latest checkpoint reloaded). Exit codes: 2 config / checkpoint
-error, 3 non-finite step with on_nan=stop, 4 workers died more than max_restarts times.
+dead workers (roles torn down, restarted, latest checkpoint reloaded). SIGINT / SIGTERM stop the run: the
+workers are closed, a save in progress is discarded, and the last checkpoint is named. Exit codes: README's
+"Exit codes" table (EXIT_CODES below).
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from hybridrl.config import CONFIG_DIR, ConfigError, load_config, to_yaml
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = CONFIG_DIR / "remax_tiny.yaml"
+
+# what `hybridrl train` exits with (README "Exit codes"); interrupted runs exit 128 + the signal number
+EXIT_CODES = {"done": 0, "failed": 1, "config": 2, "non_finite": 3, "restarts_exhausted": 4, "sigint": 130, "sigterm": 143}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,10 +84,35 @@ def _resume_target(cfg) -> tuple[object, object]:
         raise ConfigError(str(exc)) from None
 
 
+def _log_error(run_dir, exc: BaseException) -> str:
+    """Write the full traceback (with a worker's remote one) to RUN/error.log; the error's first line."""
+    import traceback
+
+    log = run_dir / "error.log"
+    log.write_text("".join(traceback.format_exception(exc)))
+    return f"{str(exc).splitlines()[0]} (traceback in {log})"
+
+
+def _interrupted(exc, steps_done: int, run_dir) -> str:
+    """The one line an interrupted run ends with; a save cut off half-way is removed first."""
+    from hybridrl.trainer.checkpoint import CheckpointManager
+
+    checkpoints = CheckpointManager(run_dir)
+    checkpoints.discard_partial()
+    latest = checkpoints.latest()
+    where = f"last checkpoint: {latest}; resume with trainer.resume=auto trainer.run_dir={run_dir}" if latest \
+        else "no checkpoint was saved (set trainer.save_every=K to be able to resume)"
+    return f"interrupted ({exc.name}) at step {steps_done + 1}; {where}"
+
+
 def run(args: argparse.Namespace) -> int:
     from hybridrl.models.config import CheckpointError
+    from hybridrl.controller import WorkerError
+    from hybridrl.trainer.interrupts import Interrupted, stop_on_signals
+    from hybridrl.workers.rule_reward import RewardFunctionError
     from hybridrl.trainer.loop import NonFiniteError, RestartsExhaustedError, RLTrainer
     from hybridrl.trainer.plan import plan_run
+    from hybridrl.trainer.run_lock import lock_run_dir
     from hybridrl.trainer.tracking import MetricsTracker
 
     config, overrides = _split(args)
@@ -101,9 +130,10 @@ def run(args: argparse.Namespace) -> int:
         _check_checkpointing(cfg)
         trainer = RLTrainer(cfg, plan)
         run_dir, resume_from = _resume_target(cfg)
+        lock_run_dir(run_dir)
     except ConfigError as exc:
         print(f"hybridrl train: config error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CODES["config"]
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     print(f"run folder: {run_dir}", flush=True)
     if auto_map is not None:
@@ -118,19 +148,30 @@ def run(args: argparse.Namespace) -> int:
     if resume_from is not None:
         print(f"resuming from {resume_from}", flush=True)
     try:
-        trainer.run(tracker, run_dir, resume_from)
+        trainer.start_ray()  # Ray installs its own SIGTERM handler; ours goes on top of it
+        with stop_on_signals():
+            trainer.run(tracker, run_dir, resume_from)
+    except Interrupted as exc:
+        print(f"hybridrl train: {_interrupted(exc, trainer.step, run_dir)}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except NonFiniteError as exc:
         print(f"hybridrl train: stopped: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_CODES["non_finite"]
     except RestartsExhaustedError as exc:
         print(f"hybridrl train: stopped: {exc}", file=sys.stderr)
-        return 4
+        return EXIT_CODES["restarts_exhausted"]
     except CheckpointError as exc:
         print(f"hybridrl train: checkpoint error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CODES["config"]
+    except RewardFunctionError as exc:  # user code: the function and the row, the traceback in the log
+        print(f"hybridrl train: {_log_error(run_dir, getattr(exc, 'cause', None) or exc)}", file=sys.stderr)
+        return EXIT_CODES["config"]
+    except WorkerError as exc:  # the first failing rank; its peers were killed, not waited out
+        print(f"hybridrl train: {_log_error(run_dir, exc)} at step {trainer.step + 1}", file=sys.stderr)
+        return EXIT_CODES["failed"]
     finally:
         trainer.close()
         tracker.plot()
         tracker.close()
     print(f"done: {trainer.step} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
-    return 0
+    return EXIT_CODES["done"]

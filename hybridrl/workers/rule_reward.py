@@ -29,10 +29,27 @@ def load_reward_fn(path: str) -> Callable[..., float]:
     return fn
 
 
-def _score_rows(fn: Callable, prompts: Sequence[str], responses: Sequence[str],
-                metadata: Sequence[dict]) -> list[float]:
+class RewardFunctionError(ValueError):
+    """The user's reward function raised or returned something that is not a number, on a named row."""
+
+
+def _score_rows(fn: Callable, label: str, prompts: Sequence[str], responses: Sequence[str],
+                metadata: Sequence[dict], first_row: int = 0) -> list[float]:
     # non-finite scores are passed through: the trainer applies trainer.on_nan to them
-    return [float(fn(prompt, response, **meta)) for prompt, response, meta in zip(prompts, responses, metadata)]
+    scores = []
+    for row, (prompt, response, meta) in enumerate(zip(prompts, responses, metadata), start=first_row):
+        where = f"row {row} (prompt {prompt[:60]!r}, response {response[:60]!r})"
+        try:
+            value = fn(prompt, response, **meta)
+        except Exception as exc:  # noqa: BLE001 - user code: name it and the row, keep the cause chained
+            raise RewardFunctionError(f"reward function {label} raised {type(exc).__name__}: {exc} on {where}") \
+                from exc
+        try:
+            scores.append(float(value))
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"reward function {label} returned {type(value).__name__} {value!r:.60} on "
+                                      f"{where}; it must return a number") from None
+    return scores
 
 
 class RuleReward:
@@ -40,6 +57,7 @@ class RuleReward:
 
     def __init__(self, fn: Callable | str, num_workers: int = 0) -> None:
         self.fn = load_reward_fn(fn) if isinstance(fn, str) else fn
+        self.label = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
         if not callable(self.fn):
             raise ValueError(f"RewardModel(fn=...) must be callable or a dotted path, got {fn!r}")
         if num_workers < 0:
@@ -54,14 +72,15 @@ class RuleReward:
         if len(metadata) != len(responses):
             raise ValueError(f"{len(metadata)} metadata rows for {len(responses)} responses")
         if self.num_workers == 0 or len(responses) < 2:
-            return torch.tensor(_score_rows(self.fn, prompts, responses, metadata), dtype=torch.float32)
+            return torch.tensor(_score_rows(self.fn, self.label, prompts, responses, metadata), dtype=torch.float32)
         import ray
 
         task = ray.remote(num_cpus=0)(_score_rows)
         fn_ref = ray.put(self.fn)
         parts = min(self.num_workers, len(responses))
         bounds = [round(i * len(responses) / parts) for i in range(parts + 1)]
-        refs = [task.remote(fn_ref, prompts[a:b], responses[a:b], metadata[a:b]) for a, b in zip(bounds, bounds[1:])]
+        refs = [task.remote(fn_ref, self.label, prompts[a:b], responses[a:b], metadata[a:b], a)
+                for a, b in zip(bounds, bounds[1:])]
         return torch.tensor([v for part in ray.get(refs) for v in part], dtype=torch.float32)
 
     def close(self) -> None:
