@@ -78,6 +78,27 @@ def test_run_folder_in_use_or_unwritable_is_refused_before_ray(tmp_path, capsys)
     assert not ray.is_initialized()
 
 
+def test_cpu_devices_beyond_the_machine_are_refused(capsys):
+    """Without GPUs every device is a worker process: the limit follows cores and memory, and a config over
+    it is refused in one line before Ray starts."""
+    import os
+
+    import ray
+
+    from hybridrl.trainer.train_cli import cpu_device_limit
+
+    assert cpu_device_limit(2, 24) == 8 and cpu_device_limit(2, 8) == 4 and cpu_device_limit(64, 512) == 256
+    assert cpu_device_limit(1, 2) == 2
+    cores = len(os.sched_getaffinity(0))
+    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    limit = cpu_device_limit(cores, gib)
+    assert main(["train", f"resources.devices={2 * limit}", "actor.parallel.tp=1", "rollout.tp=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"resources.devices={2 * limit}: without GPUs" in err[0], err
+    assert f"run at most {limit} (4 per core" in err[0]
+    assert not ray.is_initialized()
+
+
 def test_print_config(capsys):
     assert main(["train", "--print-config", "trainer.steps=7"]) == 0
     assert "steps: 7" in capsys.readouterr().out

@@ -61,6 +61,39 @@ def _check_checkpointing(cfg) -> None:
                           "(the folder of the run to continue)")
 
 
+CPU_DEVICES_PER_CORE = 4  # CPU "devices" are Megatron worker processes sharing the cores
+CPU_DEVICE_GIB = 1.5  # resident memory of one worker with the Ray core and torch, before any model
+
+
+def cpu_device_limit(cores: int, memory_gib: float) -> int:
+    """How many CPU devices (worker processes) a machine without GPUs runs: 4 per core and 1.5 GiB each,
+    after 2 GiB for the driver and Ray's daemons; never below 2 (the default job)."""
+    return max(2, min(CPU_DEVICES_PER_CORE * cores, int((memory_gib - 2) / CPU_DEVICE_GIB)))
+
+
+def _check_fits_machine(cfg, devices: int) -> None:
+    """A local run's devices exist on this machine: GPUs counted, CPU devices within cpu_device_limit."""
+    import os
+
+    import torch
+
+    if cfg.resources.ray_address is not None:
+        return  # an existing cluster: ensure_ray compares with what it declares
+    if torch.cuda.is_available():
+        have = torch.cuda.device_count() * cfg.resources.nodes
+        if devices > have:
+            raise ConfigError(f"resources.devices={devices}: this machine has {torch.cuda.device_count()} GPU(s); "
+                              f"lower resources.devices or join a cluster with resources.ray_address")
+        return
+    cores = len(os.sched_getaffinity(0))
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    limit = cpu_device_limit(cores, memory_gib)
+    if devices > limit:
+        raise ConfigError(f"resources.devices={devices}: without GPUs each device is a worker process; {cores} "
+                          f"core(s) and {memory_gib:.0f} GiB run at most {limit} ({CPU_DEVICES_PER_CORE} per core, "
+                          f"{CPU_DEVICE_GIB} GiB each); lower resources.devices or run on GPUs")
+
+
 def _resume_target(cfg) -> tuple[object, object]:
     """(run folder, checkpoint to resume from or None). Resuming from a PATH without trainer.run_dir
     continues in that checkpoint's run folder."""
@@ -127,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             print(to_yaml(cfg), end="")
             return 0
         plan = plan_run(cfg)
+        _check_fits_machine(cfg, sum(plan.pools.values()))
         _check_checkpointing(cfg)
         trainer = RLTrainer(cfg, plan)
         run_dir, resume_from = _resume_target(cfg)
