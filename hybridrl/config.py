@@ -147,6 +147,7 @@ class DataConfig:
     chat_template: bool = False
     batch_size: int = 16
     max_prompt_length: int = 32
+    overlong_prompts: str = "error"  # error | drop: prompts longer than max_prompt_length
     shuffle: bool = True
     seed: int = 0
 

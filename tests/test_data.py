@@ -61,6 +61,15 @@ def test_overlong_prompts_error_or_drop(tmp_path, tok):
     assert [row.index for row in kept.rows] == [0, 1]
     with pytest.raises(ValueError, match="every prompt is longer"):
         PromptDataset(tmp_path / "d.jsonl", tok, max_prompt_length=2, overlong="drop")
+    # from the config: the hint names the option, and the option drops
+    from hybridrl.config import load_config
+    from hybridrl.data.dataset import prompt_dataset_from_config
+
+    cfg = load_config(None, [f"data.train_files=[{tmp_path / 'd.jsonl'}]", "data.max_prompt_length=5"])
+    with pytest.raises(ValueError, match="drop them with data.overlong_prompts=drop"):
+        prompt_dataset_from_config(cfg.data, tok)
+    cfg.data.overlong_prompts = "drop"
+    assert [row.text for row in prompt_dataset_from_config(cfg.data, tok).rows] == ["ab", "abc"]
 
 
 def test_clear_errors(tmp_path, tok):

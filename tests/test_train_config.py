@@ -99,6 +99,18 @@ def test_cpu_devices_beyond_the_machine_are_refused(capsys):
     assert not ray.is_initialized()
 
 
+def test_data_errors_are_one_clean_line(tmp_path, capsys):
+    """A data file without the prompt column: the message names the column and the option, with no stray
+    quotes around it (KeyError's repr)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "hi"}\n')
+    assert main(["train", f"data.train_files=[{bad}]", f"trainer.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hybridrl train: config error: data: {bad} row 0 has no column "
+                                               "'prompt'"), err
+    assert err[0].endswith("set data.prompt_key to the prompt column"), err
+
+
 def test_print_config(capsys):
     assert main(["train", "--print-config", "trainer.steps=7"]) == 0
     assert "steps: 7" in capsys.readouterr().out

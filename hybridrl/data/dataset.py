@@ -84,7 +84,7 @@ class PromptDataset:
                  max_prompt_length: int | None = None, chat_template: bool = False,
                  overlong: str = "error") -> None:
         if overlong not in OVERLONG_POLICIES:
-            raise ValueError(f"overlong={overlong!r}; choose one of {OVERLONG_POLICIES}")
+            raise ValueError(f"data.overlong_prompts={overlong!r}; choose one of {OVERLONG_POLICIES}")
         if max_prompt_length is not None and max_prompt_length <= 0:
             raise ValueError(f"data.max_prompt_length={max_prompt_length} must be > 0")
         self.files = resolve_data_files(files)
@@ -122,7 +122,7 @@ class PromptDataset:
             if overlong == "error":
                 raise ValueError(f"{len(too_long)} of {len(raw_rows)} prompts are longer than data.max_prompt_length="
                                  f"{max_prompt_length} tokens (longest: {longest} tokens, {example[:60]!r}); raise "
-                                 "data.max_prompt_length or drop them (PromptDataset(overlong='drop'))")
+                                 "data.max_prompt_length or drop them with data.overlong_prompts=drop")
             logger.warning("dropped %d of %d prompts longer than %d tokens (longest %d)", len(too_long),
                            len(raw_rows), max_prompt_length, longest)
             if not self.rows:
@@ -160,11 +160,11 @@ class PromptDataset:
 
 
 def prompt_dataset_from_config(data_cfg: Any, tokenizer: Any, task: str | None = None,
-                               overlong: str = "error") -> PromptDataset:
+                               overlong: str | None = None) -> PromptDataset:
     """A PromptDataset from the `data` config section; empty `train_files`: the bundled task's prompts."""
     from hybridrl.data.tasks import DEFAULT_TASK, task_train_file
 
     files = list(data_cfg.train_files) or [task_train_file(task or DEFAULT_TASK)]
     return PromptDataset(files, tokenizer, prompt_key=data_cfg.prompt_key,
                          max_prompt_length=data_cfg.max_prompt_length, chat_template=data_cfg.chat_template,
-                         overlong=overlong)
+                         overlong=overlong or data_cfg.get("overlong_prompts", "error"))

@@ -82,7 +82,7 @@ class RLTrainer:
             self.loader = StatefulPromptLoader(dataset, cfg.data.batch_size, self.tokenizer.pad_token_id or 0,
                                                seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         except (ValueError, KeyError, FileNotFoundError) as exc:
-            raise ConfigError(f"data: {exc}") from None
+            raise ConfigError(f"data: {exc.args[0] if isinstance(exc, KeyError) else exc}") from None
         kl = dict(alg.kl)
         self.kl_ctrl = build_kl_controller(**kl, total_steps=cfg.trainer.steps)
         self.kl_mode, self.kl_estimator = kl["mode"], kl["estimator"]
@@ -322,7 +322,7 @@ class RLTrainer:
         """False (skip the step) when a reward / cost is NaN or inf and trainer.on_nan=skip; raises on stop."""
         if all(s is None or bool(torch.isfinite(s).all()) for s in scores):
             return True
-        message = f"step {self.step}: non-finite rewards or costs"
+        message = f"step {self.step + 1}: non-finite rewards or costs"
         if self.cfg.trainer.on_nan == "stop":
             raise NonFiniteError(message + " (trainer.on_nan=stop; set trainer.on_nan=skip to skip such steps)")
         logger.warning("%s: step skipped, no update (trainer.on_nan=skip)", message)
@@ -333,7 +333,7 @@ class RLTrainer:
         if "actor/update_ok" in metrics and metrics["actor/update_ok"] < 1:
             bad.append("actor gradients")
         if bad:
-            message = f"step {self.step}: non-finite values in {bad}"
+            message = f"step {self.step + 1}: non-finite values in {bad}"
             if self.cfg.trainer.on_nan == "stop":
                 raise NonFiniteError(message + " (trainer.on_nan=stop; set trainer.on_nan=skip to skip such steps)")
             logger.warning("%s: update skipped (trainer.on_nan=skip)", message)
