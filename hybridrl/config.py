@@ -177,6 +177,8 @@ class TrainerConfig:
     project: str = "hybridrl"  # wandb project / MLflow experiment
     progress_bar: bool = True
     call_timeout_s: float = 900.0
+    hang_timeout_s: float = 300.0  # a call without progress this long (scaled up by the step times seen) is
+    # a hang: stacks dumped into the run folder, recovered like a dead worker (controller/watchdog.py); 0: off
 
 
 @dataclass

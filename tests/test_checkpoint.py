@@ -7,6 +7,7 @@ One uninterrupted 6-step run (checkpoints at steps 3 and 6) is the reference the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -228,6 +229,38 @@ def test_killed_worker_is_recovered_and_run_finishes(reference_run, tmp_path):
     records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     _assert_same_metrics(records, reference_run["records"])
+
+
+def test_hung_rank_is_detected_dumped_and_recovered(ray_cluster, tmp_path):
+    """Actor rank 1 is stopped (SIGSTOP) during step 3: its peer blocks in a collective with it. The watchdog
+    (trainer.hang_timeout_s, far below call_timeout_s) dumps both ranks' stacks into the run folder, the pool is
+    killed and the run recovers from the step-2 checkpoint and finishes."""
+    hook = _hook()
+    run_dir = tmp_path / "hung"
+    trainer = _trainer(["trainer.steps=4", "trainer.save_every=1", "trainer.max_restarts=1", "trainer.hang_timeout_s=15",
+                        "trainer.call_timeout_s=600", f"trainer.run_dir={run_dir}", f"reward.fn={HOOK_REWARD}"])
+    stopped = []
+
+    def stop_rank_1():
+        stopped.append(trainer.roles["actor"].group.worker_info[1]["pid"])
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    hook.update(on_call=stop_rank_1, fire_at=2 * ROWS_PER_STEP + 3)  # during step 3's scoring
+    tracker = _tracker(run_dir)
+    try:
+        trainer.run(tracker, run_dir)
+    finally:
+        trainer.close()
+        tracker.close()
+        for pid in stopped:  # never leave a stopped process behind, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert stopped and [r["step"] for r in _records(run_dir)] == [1, 2, 3, 4]
+    dumps = list(run_dir.glob("hang-actor.*.txt"))
+    assert len(dumps) == 1, dumps
+    text = dumps[0].read_text()
+    assert f"===== rank 1 (pid {stopped[0]}) =====" in text and "===== rank 0 (pid" in text
+    assert text.count("Thread ") >= 2  # a Python stack for each rank, the stopped one included
 
 
 def test_worker_deaths_beyond_max_restarts_stop_with_a_message(ray_cluster, tmp_path):

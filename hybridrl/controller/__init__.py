@@ -15,10 +15,11 @@ from hybridrl.controller.ray_cluster import ensure_ray, init_local_ray, shutdown
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker import Worker, WorkerContext
 from hybridrl.controller.worker_group import (GroupFuture, WorkerDiedError, WorkerError, WorkerGroup,
-                                              WorkerTimeoutError, create_colocated_worker_group, wait_all)
+                                              WorkerHungError, WorkerTimeoutError, create_colocated_worker_group,
+                                              wait_all)
 
 __all__ = [
     "Dispatch", "MethodSpec", "register", "ensure_ray", "init_local_ray", "shutdown_ray", "ResourcePool",
-    "ResourcePoolError", "Worker", "WorkerContext", "GroupFuture", "WorkerDiedError", "WorkerError",
+    "ResourcePoolError", "Worker", "WorkerContext", "GroupFuture", "WorkerDiedError", "WorkerError", "WorkerHungError",
     "WorkerGroup", "WorkerTimeoutError", "create_colocated_worker_group", "wait_all",
 ]

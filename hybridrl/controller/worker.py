@@ -200,6 +200,8 @@ class WorkerHost:
         try:
             result = getattr(self.roles[hybridrl_role], hybridrl_method)(*args, **kwargs)
             return result if hybridrl_keep_result else None
+        except SystemExit:  # Ray ending this process (the driver killed the pool): not the method's failure
+            raise
         except BaseException as exc:  # noqa: BLE001 - reported to the driver with rank and traceback
             return self._failure(hybridrl_role, hybridrl_method, exc)
 

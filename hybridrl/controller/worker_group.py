@@ -15,6 +15,8 @@ from typing import Any
 import cloudpickle
 
 from hybridrl.controller.dispatch import CallPlan, Dispatch, MethodSpec, plan_call, registered_methods
+from hybridrl.controller.interrupts import Interrupted, raise_if_requested
+from hybridrl.controller.watchdog import WATCHDOG
 from hybridrl.controller.resource_pool import ResourcePool
 from hybridrl.controller.worker import RemoteFailure, Worker, WorkerHost
 from hybridrl.parallel.layout import ParallelLayout
@@ -46,6 +48,11 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
     """A call did not finish within its timeout (ranks still pending are in .rank / the message)."""
 
 
+class WorkerHungError(WorkerDiedError):
+    """A call made no progress within the hang watchdog's limit (controller/watchdog.py); recovered like a
+    dead worker."""
+
+
 def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method: str, wait_s: float) -> bool:
     """Wait up to wait_s for the ranks not yet in `results`; store what finished. Raises at the FIRST
     failed or dead rank instead of waiting for the others (which may hang in a collective with it).
@@ -53,6 +60,7 @@ def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+    raise_if_requested()  # SIGINT / SIGTERM of the driver (controller/interrupts.py)
     pending = {ref: rank for rank, ref in refs.items() if rank not in results}
     if not pending:
         return True
@@ -103,19 +111,34 @@ class GroupFuture:
     """The pending result of one group call; `result()` waits, collects and caches it."""
 
     def __init__(self, role: str, method: str, refs: dict[int, Any], collect: Callable[[dict[int, Any]], Any],
-                 timeout_s: float | None, on_failure: Callable[[], None] = lambda: None) -> None:
+                 timeout_s: float | None, on_failure: Callable[[], None] = lambda: None,
+                 pids: dict[int, int] | None = None) -> None:
         self.role, self.method, self.refs, self._collect, self.timeout_s = role, method, refs, collect, timeout_s
-        self._on_failure = on_failure
+        self._on_failure, self._pids = on_failure, pids or {}
+        self.hang_s = WATCHDOG.limit(self._key)
         self._results: dict[int, Any] = {}
         self._done = False
         self._value: Any = None
         self._started = time.monotonic()
 
+    @property
+    def _key(self) -> str:
+        return f"{self.role}.{self.method}"
+
     def result(self, timeout_s: float | None = None) -> Any:
         if not self._done:
+            limit = timeout_s or self.timeout_s
+            watched = self.hang_s is not None and (limit is None or self.hang_s < limit)
             try:
-                _wait_ranks(self.refs, self.role, self.method, timeout_s or self.timeout_s, self._results)
-            except WorkerError:
+                try:
+                    if watched:  # the hang limit counts from submission
+                        limit = max(0.1, self.hang_s - (time.monotonic() - self._started))
+                    _wait_ranks(self.refs, self.role, self.method, limit, self._results)
+                except WorkerTimeoutError:
+                    if watched:
+                        self._hung()
+                    raise
+            except (WorkerError, Interrupted):  # a call may still run: closing must not queue behind it
                 self._on_failure()
                 raise
             self._finish()
@@ -123,13 +146,23 @@ class GroupFuture:
 
     def _finish(self) -> None:
         self._value, self._done = self._collect(self._results), True
+        WATCHDOG.record(self._key, time.monotonic() - self._started)
+
+    def _hung(self) -> None:
+        pending = sorted(set(self.refs) - set(self._results))
+        stacks = WATCHDOG.dump_stacks(self._key, self._pids)
+        self._on_failure()
+        raise WorkerHungError(self.role, pending[0], self.method,
+                              f"ranks {pending} made no progress for {self.hang_s:.0f}s (trainer.hang_timeout_s, "
+                              f"scaled to the slowest calls so far)" + (f"; every rank's stack in {stacks}" if stacks
+                                                                        else ""))
 
     def done(self) -> bool:
         """True when every rank has finished (failures raise here too)."""
         try:
             if not self._done and _poll_ranks(self.refs, self._results, self.role, self.method, 0):
                 self._finish()
-        except WorkerError:
+        except (WorkerError, Interrupted):  # a call may still run: closing must not queue behind it
             self._on_failure()
             raise
         return self._done
@@ -153,6 +186,8 @@ def wait_all(futures: list[GroupFuture], timeout_s: float | None = None) -> list
         for future in pending:
             if future.timeout_s is not None and now - future._started > future.timeout_s:
                 _raise_timeout(future.refs, future._results, future.role, future.method, future.timeout_s)
+            if future.hang_s is not None and now - future._started > future.hang_s:
+                future._hung()
         if deadline is not None and now > deadline:
             raise WorkerTimeoutError(pending[0].role, None, "wait_all", f"{pending} not done within {timeout_s:g}s")
         refs = [ref for f in pending for rank, ref in f.refs.items() if rank not in f._results]
@@ -186,6 +221,8 @@ class _PoolHosts:
             self.kill()  # no half-started pool keeps devices
             raise
         self.master = (address, port)
+        here = ray.util.get_node_ip_address()
+        self.local_pids = {rank: i["pid"] for rank, i in self.info.items() if i["node_ip"] == here}  # stack dumps
         self.layout: ParallelLayout | None = None
         self.roles: set[str] = set()
         # a call failed on some rank: its peers may be blocked in a collective with it for the process-group
@@ -300,7 +337,7 @@ class WorkerGroup:
                 self.role, method, keep, *[stored_ref(a) for a in rank_args],
                 **{k: stored_ref(v) for k, v in rank_kwargs.items()})
         return GroupFuture(self.role, method, refs, plan.collect, spec.timeout_s or self.call_timeout_s,
-                           self._hosts.mark_failed)
+                           self._hosts.mark_failed, self._hosts.local_pids)
 
     def __repr__(self) -> str:
         return f"WorkerGroup(role={self.role!r}, pool={self.pool.name!r}, layout=({self.layout.describe()}))"

@@ -418,7 +418,16 @@ class RLTrainer:
         """Start the roles, resume from `resume_from`, train to trainer.steps with checkpoints every
         trainer.save_every steps, and recover from dead workers (tear down, restart, reload the latest
         checkpoint) up to trainer.max_restarts times. The caller closes the trainer."""
-        from hybridrl.controller import WorkerDiedError
+        from hybridrl.controller.watchdog import WATCHDOG
+
+        WATCHDOG.configure(self.cfg.trainer.hang_timeout_s, run_dir)
+        try:
+            return self._run_with_restarts(tracker, run_dir, resume_from)
+        finally:
+            WATCHDOG.configure(None, None)
+
+    def _run_with_restarts(self, tracker: Any, run_dir: str | Path, resume_from: str | Path | None) -> list[dict]:
+        from hybridrl.controller import WorkerDiedError, WorkerHungError
 
         tr = self.cfg.trainer
         checkpoints = CheckpointManager(run_dir, tr.keep_last)
@@ -432,15 +441,16 @@ class RLTrainer:
         while True:
             try:
                 return self.fit(tracker, checkpoints)
-            except WorkerDiedError as exc:
+            except WorkerDiedError as exc:  # WorkerHungError too: the watchdog stopped a call without progress
                 restarts += 1
+                what = "hung" if isinstance(exc, WorkerHungError) else "died"
                 if restarts > tr.max_restarts:
                     raise RestartsExhaustedError(
-                        f"a worker died at step {self.step + 1} ({exc.role} rank {exc.rank}: {exc.cause}) and "
+                        f"a worker {what} at step {self.step + 1} ({exc.role} rank {exc.rank}: {exc.cause}) and "
                         f"trainer.max_restarts={tr.max_restarts} restart(s) are used up; raise trainer.max_restarts "
                         f"or resume later with trainer.resume=auto") from exc
-                logger.warning("worker died during step %d (%s rank %s); restart %d/%d from the last checkpoint",
-                               self.step + 1, exc.role, exc.rank, restarts, tr.max_restarts)
+                logger.warning("worker %s during step %d (%s rank %s: %s); restart %d/%d from the last checkpoint",
+                               what, self.step + 1, exc.role, exc.rank, exc.cause, restarts, tr.max_restarts)
                 self.close()
                 self.start()
                 latest = checkpoints.latest()

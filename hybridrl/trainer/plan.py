@@ -168,6 +168,7 @@ def plan_run(cfg: Any) -> RunPlan:
     _check(roll.bucket_mb > 0, f"rollout.bucket_mb={roll.bucket_mb} must be > 0 (MiB per reshard collective)")
     _check(tr.steps >= 1, f"trainer.steps={tr.steps} must be >= 1")
     _check(tr.on_nan in ("stop", "skip"), f"trainer.on_nan={tr.on_nan!r}; choose stop or skip")
+    _check(tr.hang_timeout_s >= 0, f"trainer.hang_timeout_s={tr.hang_timeout_s} must be >= 0 (0: no hang watchdog)")
     _check(tr.max_skipped_steps >= 1, f"trainer.max_skipped_steps={tr.max_skipped_steps} must be >= 1 "
                                       "(non-finite steps in a row that end a run with on_nan=skip)")
     _check(data.batch_size >= 1, f"data.batch_size={data.batch_size} must be >= 1")

@@ -139,11 +139,8 @@ def _interrupted(exc, steps_done: int, run_dir) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridrl.models.config import CheckpointError
-    from hybridrl.controller import WorkerError
-    from hybridrl.trainer.interrupts import Interrupted, stop_on_signals
-    from hybridrl.workers.rule_reward import RewardFunctionError
-    from hybridrl.trainer.loop import NonFiniteError, RestartsExhaustedError, RLTrainer
+    from hybridrl.controller.interrupts import stop_on_signals
+    from hybridrl.trainer.loop import RLTrainer
     from hybridrl.trainer.plan import plan_run
     from hybridrl.trainer.run_lock import lock_run_dir
     from hybridrl.trainer.tracking import MetricsTracker
@@ -181,31 +178,47 @@ def run(args: argparse.Namespace) -> int:
                              config=cfg, total_steps=cfg.trainer.steps)
     if resume_from is not None:
         print(f"resuming from {resume_from}", flush=True)
+    failure = None
     try:
         trainer.start_ray()  # Ray installs its own SIGTERM handler; ours goes on top of it
         with stop_on_signals():
             trainer.run(tracker, run_dir, resume_from)
-    except Interrupted as exc:
-        print(f"hybridrl train: {_interrupted(exc, trainer.step, run_dir)}", file=sys.stderr, flush=True)
-        return exc.exit_code
-    except NonFiniteError as exc:
-        print(f"hybridrl train: stopped: {exc}", file=sys.stderr)
-        return EXIT_CODES["non_finite"]
-    except RestartsExhaustedError as exc:
-        print(f"hybridrl train: stopped: {exc}", file=sys.stderr)
-        return EXIT_CODES["restarts_exhausted"]
-    except CheckpointError as exc:
-        print(f"hybridrl train: checkpoint error: {exc}", file=sys.stderr)
-        return EXIT_CODES["config"]
-    except RewardFunctionError as exc:  # user code: the function and the row, the traceback in the log
-        print(f"hybridrl train: {_log_error(run_dir, getattr(exc, 'cause', None) or exc)}", file=sys.stderr)
-        return EXIT_CODES["config"]
-    except WorkerError as exc:  # the first failing rank; its peers were killed, not waited out
-        print(f"hybridrl train: {_log_error(run_dir, exc)} at step {trainer.step + 1}", file=sys.stderr)
-        return EXIT_CODES["failed"]
+    except BaseException as exc:  # noqa: BLE001 - known stops become one line below, the rest is re-raised
+        failure = exc
     finally:
         trainer.close()
         tracker.plot()
         tracker.close()
-    print(f"done: {trainer.step} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
-    return EXIT_CODES["done"]
+    if failure is None:
+        print(f"done: {trainer.step} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+        return EXIT_CODES["done"]
+    # the last line of the run, after the workers are gone (their shutdown logs come before it)
+    outcome = _outcome(failure, trainer.step, run_dir)
+    if outcome is None:
+        raise failure
+    code, message = outcome
+    print(f"hybridrl train: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | None:
+    """Exit code and one line for a run that did not finish; None for an unexpected error."""
+    from hybridrl.controller import WorkerError
+    from hybridrl.controller.interrupts import Interrupted
+    from hybridrl.models.config import CheckpointError
+    from hybridrl.trainer.loop import NonFiniteError, RestartsExhaustedError
+    from hybridrl.workers.rule_reward import RewardFunctionError
+
+    if isinstance(exc, Interrupted):
+        return exc.exit_code, _interrupted(exc, steps_done, run_dir)
+    if isinstance(exc, NonFiniteError):
+        return EXIT_CODES["non_finite"], f"stopped: {exc}"
+    if isinstance(exc, RestartsExhaustedError):
+        return EXIT_CODES["restarts_exhausted"], f"stopped: {exc}"
+    if isinstance(exc, CheckpointError):
+        return EXIT_CODES["config"], f"checkpoint error: {exc}"
+    if isinstance(exc, WorkerError):  # the first failing rank; its peers were killed, not waited out
+        return EXIT_CODES["failed"], f"{_log_error(run_dir, exc)} at step {steps_done + 1}"
+    if isinstance(exc, RewardFunctionError):  # user code: the function and the row, the traceback in the log
+        return EXIT_CODES["config"], _log_error(run_dir, getattr(exc, "cause", None) or exc)
+    return None
