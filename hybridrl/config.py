@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message names the option and how to fix it."""
 
 
+class MachineError(OSError):
+    """The machine refuses what a valid config asks: a folder that cannot be written, a full disk."""
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1

@@ -72,7 +72,7 @@ def test_run_folder_in_use_or_unwritable_is_refused_before_ray(tmp_path, capsys)
     assert f"pid {__import__('os').getpid()}" in err[0]
     assert not (busy / "config.yaml").exists()
 
-    assert main(["train", "trainer.run_dir=/proc/hybridrl-run"]) == 2
+    assert main(["train", "trainer.run_dir=/proc/hybridrl-run"]) == 5  # the machine's refusal, not the config's
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trainer.run_dir=/proc/hybridrl-run: cannot write there" in err[0], err
     assert not ray.is_initialized()
@@ -109,6 +109,33 @@ def test_data_errors_are_one_clean_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"hybridrl train: config error: data: {bad} row 0 has no column "
                                                "'prompt'"), err
     assert err[0].endswith("set data.prompt_key to the prompt column"), err
+
+
+def test_full_disk_is_named_with_exit_code_5(tmp_path):
+    """A checkpoint write that hits ENOSPC in a worker arrives wrapped (Megatron's CheckpointException says
+    'unexpected pos'); the run's last line says no space is left, with exit code 5, and the driver's own
+    ENOSPC the same."""
+    import traceback
+
+    from hybridrl.controller import WorkerError
+    from hybridrl.trainer.train_cli import _outcome
+
+    try:
+        with open("/dev/full", "w") as full:  # a real ENOSPC and its traceback
+            full.write("x" * 65536)
+            full.flush()
+    except OSError as exc:
+        remote = "".join(traceback.format_exception(exc))
+        driver_error = exc
+    wrapped = WorkerError("actor", 0, "save_checkpoint", "CheckpointException: unexpected pos 0", remote)
+    code, message = _outcome(wrapped, 3, tmp_path)
+    assert code == 5 and message.startswith(f"no space left on device while writing to {tmp_path} at step 4 (role "
+                                            "'actor' rank 0: save_checkpoint failed: CheckpointException"), message
+    assert "No space left on device" in (tmp_path / "error.log").read_text()
+    assert _outcome(driver_error, 3, tmp_path)[0] == 5
+    assert _outcome(WorkerError("actor", 1, "update", "ValueError: bad"), 3, tmp_path) == (
+        1, f"role 'actor' rank 1: update failed: ValueError: bad (traceback in {tmp_path / 'error.log'}) at step 4")
+    assert _outcome(RuntimeError("unexpected"), 3, tmp_path) is None  # re-raised with its traceback
 
 
 def test_print_config(capsys):

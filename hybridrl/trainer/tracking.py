@@ -35,9 +35,9 @@ def new_run_dir(base: str | Path | None, algorithm: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        from hybridrl.config import ConfigError
+        from hybridrl.config import MachineError
 
-        raise ConfigError(f"trainer.run_dir={path}: cannot write there ({exc.strerror or exc}); choose a folder "
+        raise MachineError(f"trainer.run_dir={path}: cannot write there ({exc.strerror or exc}); choose a folder "
                           f"you can write to") from None
     return path.resolve()
 

@@ -17,16 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
-from hybridrl.config import CONFIG_DIR, ConfigError, load_config, to_yaml
+from hybridrl.config import CONFIG_DIR, ConfigError, MachineError, load_config, to_yaml
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = CONFIG_DIR / "remax_tiny.yaml"
 
 # what `hybridrl train` exits with (README "Exit codes"); interrupted runs exit 128 + the signal number
-EXIT_CODES = {"done": 0, "failed": 1, "config": 2, "non_finite": 3, "restarts_exhausted": 4, "sigint": 130, "sigterm": 143}
+EXIT_CODES = {"done": 0, "failed": 1, "config": 2, "non_finite": 3, "restarts_exhausted": 4, "machine": 5, "sigint": 130, "sigterm": 143}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +74,6 @@ def cpu_device_limit(cores: int, memory_gib: float) -> int:
 
 def _check_fits_machine(cfg, devices: int) -> None:
     """A local run's devices exist on this machine: GPUs counted, CPU devices within cpu_device_limit."""
-    import os
-
     import torch
 
     if cfg.resources.ray_address is not None:
@@ -117,12 +116,26 @@ def _resume_target(cfg) -> tuple[object, object]:
         raise ConfigError(str(exc)) from None
 
 
+def _no_space(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the error, including a worker's remote traceback (Megatron's checkpoint writer
+    wraps it in a CheckpointException that only its traceback explains)."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc) + getattr(exc, "remote_traceback", "")
+    return os.strerror(errno.ENOSPC) in text or (exc.__cause__ is not None and _no_space(exc.__cause__))
+
+
 def _log_error(run_dir, exc: BaseException) -> str:
     """Write the full traceback (with a worker's remote one) to RUN/error.log; the error's first line."""
     import traceback
 
     log = run_dir / "error.log"
-    log.write_text("".join(traceback.format_exception(exc)))
+    try:
+        log.write_text("".join(traceback.format_exception(exc)))
+    except OSError:  # a full disk: the message alone
+        return str(exc).splitlines()[0]
     return f"{str(exc).splitlines()[0]} (traceback in {log})"
 
 
@@ -165,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"hybridrl train: config error: {exc}", file=sys.stderr)
         return EXIT_CODES["config"]
+    except MachineError as exc:
+        print(f"hybridrl train: {exc}", file=sys.stderr)
+        return EXIT_CODES["machine"]
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     print(f"run folder: {run_dir}", flush=True)
     if auto_map is not None:
@@ -217,6 +233,10 @@ def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | 
         return EXIT_CODES["restarts_exhausted"], f"stopped: {exc}"
     if isinstance(exc, CheckpointError):
         return EXIT_CODES["config"], f"checkpoint error: {exc}"
+    if _no_space(exc):  # a checkpoint or log write on a full disk (a worker's error or the driver's own)
+        return EXIT_CODES["machine"], (f"no space left on device while writing to {run_dir} at step "
+                                       f"{steps_done + 1} ({_log_error(run_dir, exc)}); free space or point "
+                                       "trainer.run_dir at a larger disk, then trainer.resume=auto")
     if isinstance(exc, WorkerError):  # the first failing rank; its peers were killed, not waited out
         return EXIT_CODES["failed"], f"{_log_error(run_dir, exc)} at step {steps_done + 1}"
     if isinstance(exc, RewardFunctionError):  # user code: the function and the row, the traceback in the log
