@@ -138,6 +138,23 @@ def test_full_disk_is_named_with_exit_code_5(tmp_path):
     assert _outcome(RuntimeError("unexpected"), 3, tmp_path) is None  # re-raised with its traceback
 
 
+@pytest.mark.parametrize("command", [
+    ["train", "actor.model.path={model}"],
+    ["plan", "--model", "{model}", "--train-tp", "1", "--train-pp", "1", "--train-dp", "1", "--gen-tp", "1",
+     "--gen-pp", "1"],
+    ["convert", "--from", "hf", "--to", "mcore", "--tp", "1", "--pp", "1", "{model}", "{out}"],
+])
+def test_malformed_model_config_is_one_line(tmp_path, capsys, command):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 12,')
+    argv = [part.format(model=model, out=tmp_path / "out") for part in command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hybridrl {command[0]}") and \
+        f"{model}/config.json cannot be read by transformers" in err[0], err
+
+
 def test_print_config(capsys):
     assert main(["train", "--print-config", "trainer.steps=7"]) == 0
     assert "steps: 7" in capsys.readouterr().out

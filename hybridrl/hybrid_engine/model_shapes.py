@@ -75,9 +75,9 @@ def load_hf_config(model: str):
 
         return LlamaConfig(**LLAMA_PRESETS[model], tie_word_embeddings=False)
     if os.path.isdir(model):
-        from transformers import AutoConfig
+        from hybridrl.models.config import load_hf_config as load_folder
 
-        return AutoConfig.from_pretrained(model, local_files_only=True)
+        return load_folder(model)
     raise ValueError(f"--model {model!r} is neither a preset ({', '.join(LLAMA_PRESETS)}) nor a folder "
                      f"holding a Hugging Face config.json; pass a preset name or a local model folder")
 

@@ -1,7 +1,6 @@
 """Hugging Face config -> Megatron-Core TransformerConfig + GPTModel arguments (Llama, Qwen2)."""
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +47,8 @@ def load_hf_config(path: str | Path) -> Any:
                               f"(save_pretrained output)")
     try:
         return AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}/config.json cannot be read by transformers: {exc}") from exc
+    except (ValueError, KeyError, OSError) as exc:  # transformers 5: OSError for a malformed JSON file
+        raise CheckpointError(f"{path}/config.json cannot be read by transformers: {exc}") from None
 
 
 def rope_settings(hf_config: Any) -> RopeSettings:

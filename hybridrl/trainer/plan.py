@@ -81,8 +81,12 @@ def _layout(role: str, role_cfg: Any, devices: int, pool: str) -> ParallelLayout
 
 def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
     from hybridrl.models import load_hf_config
+    from hybridrl.models.config import CheckpointError
 
-    hf = load_hf_config(path)
+    try:
+        hf = load_hf_config(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"{role}.model.path: {exc}") from None
     try:
         layout.check_model(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
                            hf.num_hidden_layers)
