@@ -245,7 +245,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if key in MOVED_OPTIONS:
             raise ConfigError(f"option {key!r} moved to {MOVED_OPTIONS[key]!r} (its section also sets the "
                               f"model's pool, parallel, micro_batch_size and dtype)") from None
-        raise ConfigError(f"bad config option {key!r}: {exc.msg if hasattr(exc, 'msg') else exc}".strip()) from None
+        detail = str(exc.msg if hasattr(exc, "msg") else exc).strip().splitlines()[0]  # not OmegaConf's key dump
+        raise ConfigError(f"bad config option {key!r}: {detail}") from None
     OmegaConf.set_readonly(cfg, False)
     apply_algorithm_defaults(cfg)
     return cfg

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"YAML config (a path or a file under configs/); default: {DEFAULT_CONFIG.name}")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.steps=10 actor.parallel.tp=1")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config, the data and the machine as a run would, then exit (no Ray, no worker)")
 
 
 def _split(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -173,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
         _check_fits_machine(cfg, sum(plan.pools.values()))
         _check_checkpointing(cfg)
         trainer = RLTrainer(cfg, plan)
+        if getattr(args, "check", False):
+            print(f"config ok: {cfg.algorithm.name}, {len(trainer.loader.dataset)} prompts, "
+                  + ", ".join(f"{r.name}@{r.pool}({r.layout.describe()})" for r in plan.roles.values()))
+            return EXIT_CODES["done"]
         run_dir, resume_from = _resume_target(cfg)
         lock_run_dir(run_dir)
     except ConfigError as exc:
