@@ -263,6 +263,50 @@ def test_hung_rank_is_detected_dumped_and_recovered(ray_cluster, tmp_path):
     assert text.count("Thread ") >= 2  # a Python stack for each rank, the stopped one included
 
 
+def test_a_rank_that_raises_mid_update_ends_the_run_at_once(ray_cluster, tmp_path):
+    """Actor rank 1 raises inside its update while rank 0 waits for it in the gradient collectives: the run
+    ends with that error (role, rank, cause), and closing kills the pool instead of queueing behind rank 0's
+    collective (call_timeout_s is 10 minutes here)."""
+    import psutil
+
+    from hybridrl.controller import Dispatch, Worker, WorkerDiedError, WorkerError, WorkerGroup, register
+
+    class Saboteur(Worker):  # shares the actor's processes: patches rank 1's training step to raise
+        @register(Dispatch.ONE_TO_ALL)
+        def arm(self, rank: int) -> None:
+            if self.rank == rank:
+                from hybridrl.workers import megatron_model
+
+                def broken(*args, **kwargs):
+                    raise RuntimeError("injected failure in rank 1's update")
+
+                megatron_model.MegatronModel.train_step = broken
+
+    hook = _hook()
+    run_dir = tmp_path / "raises"
+    trainer = _trainer(["trainer.steps=3", "trainer.call_timeout_s=600", f"trainer.run_dir={run_dir}",
+                        f"reward.fn={HOOK_REWARD}"])
+    pids = []
+
+    def arm_rank_1():
+        group = trainer.roles["actor"].group
+        pids.extend(info["pid"] for info in group.worker_info)
+        WorkerGroup(group.pool, Saboteur, role="saboteur", init_megatron=False).arm(1)
+
+    hook.update(on_call=arm_rank_1, fire_at=ROWS_PER_STEP + 1)  # during step 2's scoring, before its update
+    tracker = _tracker(run_dir)
+    try:
+        with pytest.raises(WorkerError, match="role 'actor' rank 1: update failed: RuntimeError: injected") as raised:
+            trainer.run(tracker, run_dir)
+        assert not isinstance(raised.value, WorkerDiedError)
+    finally:
+        trainer.close()
+        tracker.close()
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=30)
+    assert pids and not alive  # rank 0, blocked in the collective, was killed rather than waited out
+    assert [r["step"] for r in _records(run_dir)] == [1]
+
+
 def test_worker_deaths_beyond_max_restarts_stop_with_a_message(ray_cluster, tmp_path):
     from hybridrl.trainer.loop import RestartsExhaustedError
 

@@ -75,6 +75,9 @@ def init_local_ray(num_devices: int, num_cpus: int | None = None,
              log_to_driver=log_to_driver, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": worker_python_path(), "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
                                        "TMPDIR": _worker_temp_dir()}})
+    from hybridrl.controller.reaper import start_reaper
+
+    start_reaper(os.getpid())  # Ray's processes die with this driver, even a SIGKILLed one
     resources = ray.cluster_resources()
     if f"node:{LOOPBACK}" not in resources:
         ray.shutdown()
