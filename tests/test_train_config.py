@@ -30,7 +30,7 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
     (["actor.parallel.tp=3"], "does not divide pool"),                        # bad layout for the pool
     (["actor.parallel.tp=2", "rollout.tp=4"], "rollout.tp=4"),                # generation TP > training TP
     (["resources.devices=8", "actor.parallel.tp=8"], "num_attention_heads"),  # model heads not divisible
-    (["actor.model.path=/nonexistent/model"], "no Hugging Face model folder"),  # missing model
+    (["actor.model.path=/nonexistent/model"], "actor.model.path=.*does not exist"),  # missing model
     (["data.batch_size=3", "rollout.n=1", "resources.devices=4", "actor.parallel.tp=2"], "split evenly"),
     (["algorithm.name=grpo", "rollout.n=1"], "rollout.n >= 2"),
     (["algorithm.name=safe_rlhf"], "cost"),
