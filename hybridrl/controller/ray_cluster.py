@@ -112,5 +112,8 @@ def ensure_ray(num_devices: int | None = None, address: str | None = None, **loc
 def shutdown_ray() -> None:
     import ray
 
+    from hybridrl.controller.reaper import stop_reaper
+
     if ray.is_initialized():
         ray.shutdown()
+    stop_reaper()
