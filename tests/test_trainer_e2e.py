@@ -91,6 +91,9 @@ def test_remax_with_vllm_rollout(ray_two_devices, head_dim_32_model):
         assert metrics["actor/update_ok"] == 1.0 and 0.0 <= metrics["reward_mean"] <= 1.0
         assert all(math.isfinite(v) for v in metrics.values())
     assert history[1]["kl_mean"] != 0.0  # step 2 generated from the updated weights (pushed into vLLM)
+    # vLLM's own log-probs against the trainer's: measured every step (small, not zero: other kernels)
+    for metrics in history:
+        assert 0.0 <= metrics["mismatch/log_prob_diff"] < 0.1 and math.isfinite(metrics["mismatch/kl"]), metrics
 
 
 def spy_on_advantages(monkeypatch) -> tuple[list[dict], list]:
