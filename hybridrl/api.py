@@ -15,14 +15,16 @@ Ray is started locally on first use when no cluster is running (enough fake devi
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from hybridrl.controller import ResourcePool, WorkerGroup, ensure_ray
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
+from hybridrl.rollout.base import concat_batches
 
 logger = logging.getLogger(__name__)
 
@@ -203,27 +205,46 @@ class Actor(_Role):
         (ReMax's sampled and greedy responses cost one reshard, not two). Each setting: greedy, seed and
         SamplingParams fields overriding the actor's rollout defaults."""
         batch, texts, metadata = self.encode_prompts(prompts)
-        all_params = []
-        for setting in settings:
-            params = {**self.sampling, **{k: v for k, v in setting.items() if k not in ("greedy", "seed")}}
-            if setting.get("greedy"):
-                params.update(greedy=True, n=1)
-            seed = setting.get("seed")
-            if seed is None:
-                self._step_seed += 1
-                seed = self._step_seed
-            params["seed"] = seed
-            all_params.append(params)
+        all_params = [self.sampling_params(setting) for setting in settings]
         results = self.group.generate_sequences(batch, all_params)
         rollouts = []
         for i, params in enumerate(all_params):
             per_replica = [None if r is None else (r[0], r[1][i]) for r in results]
-            sequences = merge_replicas(per_replica)
+            sequences = merge_replicas(per_replica, self.tokenizer.pad_token_id or 0)
             sequences.meta["timing"] = _max_timing(per_replica)
             n = int(params.get("n", 1))
             rollouts.append(Rollout(sequences, self.decode_responses(sequences), [t for t in texts for _ in range(n)],
                                     [m for m in metadata for _ in range(n)], self.tokenizer))
         return rollouts
+
+    def sampling_params(self, setting: dict) -> dict:
+        """The actor's rollout defaults overridden by a setting (greedy, seed, SamplingParams fields); a seed
+        is drawn from the actor's counter when the setting has none."""
+        params = {**self.sampling, **{k: v for k, v in setting.items() if k not in ("greedy", "seed")}}
+        if setting.get("greedy"):
+            params.update(greedy=True, n=1)
+        seed = setting.get("seed")
+        if seed is None:
+            self._step_seed += 1
+            seed = self._step_seed
+        params["seed"] = seed
+        return params
+
+    @contextmanager
+    def generation(self) -> Iterator[dict[str, float]]:
+        """Hold the generation layout over several `generate_turn` calls (one transition there and one back,
+        however many turns); yields a dict whose "transition" holds the seconds both took, once it exits."""
+        timing = {"transition": max(self.group.begin_generation())}
+        try:
+            yield timing
+        finally:
+            timing["transition"] += max(self.group.end_generation())
+
+    def generate_turn(self, prompt_ids: list[list[int]], params: dict) -> Batch:
+        """One generate call inside `generation()`: token-id prompts, full sampling params
+        (`sampling_params`); the Batch of rollout/base.py, rows in prompt order (n per prompt)."""
+        batch = Batch(dict(zip(("input_ids", "attention_mask"), left_pad(prompt_ids, self.tokenizer.pad_token_id or 0))))
+        return merge_replicas(self.group.generate_turn(batch, params), self.tokenizer.pad_token_id or 0)
 
     def compute_log_probs(self, sequences: Any) -> torch.Tensor:
         """[B, R] log-probs of the responses under the current policy (training layout)."""
@@ -548,14 +569,19 @@ def encode_prompts(tokenizer: Any, prompts: Any) -> tuple[Batch, list[str], list
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     if any(len(row) == 0 for row in ids):
         raise ValueError("an empty prompt: every prompt needs at least one token")
+    input_ids, mask = left_pad(ids, tokenizer.pad_token_id or 0)
+    return Batch({"input_ids": input_ids, "attention_mask": mask}), texts, [{} for _ in texts]
+
+
+def left_pad(ids: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> left-padded [B, P] ids and their attention mask (generation starts at column P)."""
     width = max(len(row) for row in ids)
-    pad = tokenizer.pad_token_id or 0
     input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for i, row in enumerate(ids):
-        input_ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        input_ids[i, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
         mask[i, width - len(row):] = 1
-    return Batch({"input_ids": input_ids, "attention_mask": mask}), texts, [{} for _ in texts]
+    return input_ids, mask
 
 
 def _real_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
@@ -582,34 +608,12 @@ def check_prompts(tokenizer: Any, prompts: Any, sequences: Batch, caller: str) -
 _SEQUENCE_KEYS = ("prompts", "responses", "attention_mask", "response_mask")
 
 
-def merge_replicas(results: list) -> Batch:
+def merge_replicas(results: list, pad_token_id: int = 0) -> Batch:
     """The actor's per-rank generate results -> one Batch in prompt order (replica 0's rows first)."""
     parts = sorted((r for r in results if r is not None), key=lambda item: item[0])
     if not parts:
         raise RuntimeError("no generation replica returned sequences")
-    return _concat_padded([batch for _, batch in parts])
-
-
-def _concat_padded(batches: list[Batch]) -> Batch:
-    """Concatenate rollout Batches whose prompt / response widths differ (replicas pad independently)."""
-    if len(batches) == 1:
-        return batches[0]
-    prompt_w = max(b["prompts"].shape[1] for b in batches)
-    response_w = max(b["responses"].shape[1] for b in batches)
-    fixed = []
-    for b in batches:
-        p_pad, r_pad = prompt_w - b["prompts"].shape[1], response_w - b["responses"].shape[1]
-        prompt_mask = torch.nn.functional.pad(b["attention_mask"][:, :b["prompts"].shape[1]], (p_pad, 0))
-        response_mask = torch.nn.functional.pad(b["response_mask"], (0, r_pad))
-        pad_id = int(b.meta.get("pad_token_id", 0))
-        prompts = torch.nn.functional.pad(b["prompts"], (p_pad, 0), value=pad_id)
-        responses = torch.nn.functional.pad(b["responses"], (0, r_pad), value=pad_id)
-        tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                   "attention_mask": torch.cat([prompt_mask, response_mask], 1), "response_mask": response_mask,
-                   "rollout_log_probs": torch.nn.functional.pad(b["rollout_log_probs"], (0, r_pad))}
-        fixed.append(Batch(tensors, non_tensors=dict(b.non_tensors), meta={k: v for k, v in b.meta.items()
-                                                                           if k not in ("timing", "reshard_recv_bytes")}))
-    return Batch.concat(fixed)
+    return concat_batches([batch for _, batch in parts], pad_token_id)
 
 
 def _max_timing(results: list) -> dict[str, float]:

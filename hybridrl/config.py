@@ -78,6 +78,12 @@ class RolloutConfig:
     bucket_mb: float = 32.0  # most MiB one reshard collective outputs (bounds the transient scratch)
     max_model_len: Optional[int] = None  # None: data.max_prompt_length + max_new_tokens
     max_batch_size: int = 64  # rows decoded together per generation replica (native engine)
+    # multi-turn episodes (rollout/multiturn.py); env None: one prompt -> one response
+    env: Optional[str] = None  # a registered environment (charset_turns, tool_answer) or "package.module:Class"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's constructor arguments
+    max_turns: int = 4  # model turns per episode (max_new_tokens each)
+    max_episode_tokens: Optional[int] = None  # after the prompt, turns + observations; None: 2*max_turns*max_new_tokens
+    turn_discount: float = 1.0  # episode reward = sum over turns t of turn_discount**t * reward_t
 
 
 @dataclass

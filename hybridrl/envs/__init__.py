@@ -1,9 +1,9 @@
-"""Multi-turn environments and tools (issue 17): the interface, the registry, the bundled environments, the
-tool-call parser and the Python sandbox. The multi-turn rollout that drives them is not wired in yet."""
+"""Multi-turn environments and tools: the interface, the registry, the bundled environments, the tool-call
+parser and the Python sandbox. rollout/multiturn.py drives them (`rollout.env=<name>`)."""
 from hybridrl.envs import bundled  # noqa: F401  (registers the bundled environments)
-from hybridrl.envs.base import ENVIRONMENTS, Environment, StepResult, env_class, make_env, register_env
+from hybridrl.envs.base import ENVIRONMENTS, Environment, EnvironmentStepError, StepResult, env_class, make_env, register_env
 from hybridrl.envs.sandbox import SandboxResult, run_python
 from hybridrl.envs.tools import Tool, ToolCall, ToolCallError, ToolRegistry, parse_tool_calls, python_tool
 
-__all__ = ["ENVIRONMENTS", "Environment", "StepResult", "env_class", "make_env", "register_env", "SandboxResult",
+__all__ = ["ENVIRONMENTS", "Environment", "EnvironmentStepError", "StepResult", "env_class", "make_env", "register_env", "SandboxResult",
            "run_python", "Tool", "ToolCall", "ToolCallError", "ToolRegistry", "parse_tool_calls", "python_tool"]

@@ -20,12 +20,18 @@ from typing import Any, Callable
 ENVIRONMENTS: dict[str, type["Environment"]] = {}
 
 
+class EnvironmentStepError(ValueError):
+    """The user's environment raised or returned something that is not a StepResult (names the row)."""
+
+
 @dataclass
 class StepResult:
     observation: str  # shown to the model next ("" with done=True: nothing more to show)
     reward: float = 0.0
     done: bool = False
-    info: dict = field(default_factory=dict)  # e.g. {"tool_calls": 1, "tool_errors": 0}
+    # counted into the rollout/* metrics: "tool_calls", "tool_errors"; "role": the observation's chat role
+    # (default "user"; e.g. "tool" where the chat template renders tool results itself)
+    info: dict = field(default_factory=dict)
 
 
 class Environment(ABC):

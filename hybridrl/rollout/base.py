@@ -6,10 +6,14 @@ the n samples of prompt 0 first, matching `Batch.repeat_interleave(n)`):
   "responses"         [B, R]    right-padded response ids (the stop token, when hit, is included)
   "input_ids"         [B, P+R]  prompts ++ responses
   "attention_mask"    [B, P+R]  1 on real tokens
-  "response_mask"     [B, R]    1 on generated tokens
+  "response_mask"     [B, R]    1 on generated tokens (the tokens trained on)
   "rollout_log_probs" [B, R]    log-prob of each sampled token under the distribution it was sampled
                                 from (0 on padding); see `sampling.py` for the exact definition
   non-tensor "finish_reasons": "stop" | "length"; meta {"sampling": params as a dict}.
+
+A multi-turn episode (rollout/multiturn.py) has the same layout: its "responses" hold every token after the
+first prompt (model turns and the environment's observations, in order); "attention_mask" is 1 on all of
+them, "response_mask" and "rollout_log_probs" only on the model's own tokens.
 
 Generation stops only at `SamplingParams.stop_token_ids` (callers add the tokenizer's EOS there):
 both engines ignore the model's own EOS so that they behave identically. `ignore_eos=True` disables the
@@ -119,6 +123,7 @@ class GeneratedSequence:
     log_probs: list[float]
     finish_reason: str  # "stop" | "length"
     extra: dict[str, Any] = field(default_factory=dict)
+    model_mask: list[int] | None = None  # per token: 1 generated, 0 context (an observation); None: all 1
 
 
 def finish_reason(tokens: Sequence[int], params: SamplingParams) -> str:
@@ -136,6 +141,7 @@ def assemble_batch(sequences: list[GeneratedSequence], params: SamplingParams, p
     prompt_mask = torch.zeros((num, prompt_len), dtype=torch.long)
     responses = torch.full((num, response_len), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((num, response_len), dtype=torch.long)
+    real = torch.zeros((num, response_len), dtype=torch.long)  # response tokens, generated or not
     log_probs = torch.zeros((num, response_len), dtype=torch.float32)
     for row, seq in enumerate(sequences):
         p, r = len(seq.prompt), len(seq.tokens)
@@ -143,13 +149,14 @@ def assemble_batch(sequences: list[GeneratedSequence], params: SamplingParams, p
         prompt_mask[row, prompt_len - p:] = 1
         if r:
             responses[row, :r] = torch.tensor(seq.tokens, dtype=torch.long)
-            response_mask[row, :r] = 1
+            real[row, :r] = 1
+            response_mask[row, :r] = 1 if seq.model_mask is None else torch.tensor(seq.model_mask, dtype=torch.long)
             log_probs[row, :r] = torch.tensor(seq.log_probs, dtype=torch.float32)
     tensors = {
         "prompts": prompts,
         "responses": responses,
         "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+        "attention_mask": torch.cat([prompt_mask, real], dim=1),
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,
     }
@@ -210,25 +217,29 @@ def _is_batch(obj: Any) -> bool:
 
 
 def concat_batches(batches: list[Any], pad_token_id: int) -> Any:
-    """Rows of generated Batches (assemble_batch's layout) from separate generate calls, re-padded to the
-    widest prompt (left) and response (right) among them."""
+    """Rows of generated Batches (assemble_batch's layout) from separate generate calls or generation
+    replicas, re-padded to the widest prompt (left) and response (right) among them. The first batch's meta
+    is kept, less the per-call timing."""
     from hybridrl.protocol import Batch
 
     prompt_len = max(b["prompts"].shape[1] for b in batches)
     response_len = max(b["responses"].shape[1] for b in batches)
+    meta = {k: v for k, v in batches[0].meta.items() if k not in ("timing", "reshard_recv_bytes")}
+    if len(batches) == 1:
+        return Batch(dict(batches[0].tensors), dict(batches[0].non_tensors), meta)
     padded = []
     for b in batches:
         p, r = b["prompts"].shape[1], b["responses"].shape[1]
         left, right = prompt_len - p, response_len - r
         pad = torch.nn.functional.pad
         prompts = pad(b["prompts"], (left, 0), value=pad_token_id)
-        prompt_mask = pad(b["attention_mask"][:, :p], (left, 0), value=0)
         responses = pad(b["responses"], (0, right), value=pad_token_id)
-        response_mask = pad(b["response_mask"], (0, right), value=0)
         tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                   "attention_mask": torch.cat([prompt_mask, response_mask], 1), "response_mask": response_mask,
+                   "attention_mask": torch.cat([pad(b["attention_mask"][:, :p], (left, 0), value=0),
+                                                pad(b["attention_mask"][:, p:], (0, right), value=0)], 1),
+                   "response_mask": pad(b["response_mask"], (0, right), value=0),
                    "rollout_log_probs": pad(b["rollout_log_probs"], (0, right), value=0.0)}
         if set(b.tensors.keys()) != set(tensors):
             raise ValueError(f"concat_batches: unexpected fields {sorted(set(b.tensors.keys()) ^ set(tensors))}")
-        padded.append(Batch(tensors, dict(b.non_tensors), b.meta))
+        padded.append(Batch(tensors, dict(b.non_tensors), meta))
     return Batch.concat(padded)

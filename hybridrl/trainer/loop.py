@@ -1,8 +1,9 @@
 """The RL loop the CLI runs: one driver, plain serial Python over the role objects of hybridrl.api.
 
 One step, for every algorithm, is five named stages (RLTrainer.train_step):
-  _rollout     prompts -> actor.generate_many (hybrid engine transition + rollout) [+ greedy baseline]
-  _score       rewards (rule function or reward model) [+ costs]; overlong shaping, dynamic sampling
+  _rollout     prompts -> actor.generate_many (hybrid engine transition + rollout) [+ greedy baseline], or
+               multi-turn episodes with rollout.env (rollout/multiturn.py)
+  _score       rewards (the episodes', rule function or reward model) [+ costs]; overlong shaping, dynamic sampling
   _evaluate    reference log-probs, old log-probs (skipped when the update is exactly on-policy), values
   _advantages  the algorithm's registered estimator (algorithms/catalog/), KL as a reward penalty or a loss
   _update      critic update(s) -> actor update -> KL controller / Lagrange multiplier
@@ -25,6 +26,7 @@ from hybridrl.algorithms.lagrangian import LagrangeMultiplier
 from hybridrl.algorithms.losses import kl_penalty, masked_mean
 from hybridrl.algorithms.shaping import overlong_penalty
 from hybridrl.config import ConfigError
+from hybridrl.rollout.multiturn import episode_metrics
 from hybridrl.trainer.dynamic_sampling import refill
 from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
                                          set_rng_states)
@@ -91,6 +93,15 @@ class RLTrainer:
         self.step = 0
         self.roles: dict[str, Any] = {}
         self.timer = StageTimer()
+        self.episodes = self._episode_runner() if cfg.rollout.env else None
+
+    def _episode_runner(self) -> Any:
+        from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
+
+        r = self.cfg.rollout
+        limits = EpisodeLimits(r.max_turns, r.max_new_tokens, self.plan.response_length,
+                               self.cfg.data.max_prompt_length, r.turn_discount)
+        return EpisodeRunner(r.env, dict(r.env_kwargs), self.tokenizer, self.cfg.data.chat_template, limits)
 
     # ---- roles -----------------------------------------------------------------------------------------
     def start_ray(self) -> None:
@@ -126,7 +137,7 @@ class RLTrainer:
                 "kl_estimator": self.kl_estimator, "rollout_correction": cfg.algorithm.rollout_correction,
                 "rollout_correction_cap": cfg.algorithm.rollout_correction_cap,
                 "rollout_correction_level": cfg.algorithm.rollout_correction_level,
-                "loss_agg": plan.loss_agg, "loss_agg_length": r.max_new_tokens,
+                "loss_agg": plan.loss_agg, "loss_agg_length": plan.response_length,
                 "policy_loss": plan.algorithm.policy_loss, "clip_ratio_high": cfg.algorithm.clip_ratio_high}
         self.roles["actor"] = Actor(plan.roles["actor"].model_path, parallel("actor"), rollout, pool("actor"),
                                     optim=dict(a.optim), loss=loss, micro_batch_size=a.micro_batch_size,
@@ -185,19 +196,30 @@ class RLTrainer:
         cfg, spec, timer = self.cfg, self.plan.algorithm, self.timer
         prompts = self.loader.next_batch()
         seed = cfg.trainer.seed * 100_003 + self.step
-        with timer("generation"):  # ReMax's greedy baseline shares the sampled responses' transition
-            settings = [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if spec.needs_greedy_baseline else [])
-            out, *rest = self.roles["actor"].generate_many(prompts, settings)
-        timer.add("transition", out.sequences.meta.get("timing", {}).get("transition", 0.0))
+        # ReMax's greedy baseline shares the sampled responses' transition
+        settings = [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if spec.needs_greedy_baseline else [])
+        out, *rest = self._sample(prompts, settings)
         return StepData(groups=len(prompts), seed=seed, out=out, greedy=rest[0] if rest else None)
+
+    def _sample(self, prompts: Any, settings: list[dict]) -> list[Any]:
+        """One Rollout per sampling setting: single responses, or episodes with rollout.env."""
+        actor, timer = self.roles["actor"], self.timer
+        with timer("generation"):
+            outs = actor.generate_many(prompts, settings) if self.episodes is None else \
+                self.episodes.run(actor, prompts, settings)
+        timing = outs[0].sequences.meta.get("timing", {})
+        timer.add("transition", timing.get("transition", 0.0))
+        if "env" in timing:  # inside "generation": the environments' share of it
+            timer.add("env", timing["env"])
+        return outs
 
     def _score(self, step: StepData) -> bool:
         """Rewards (and costs) of the responses; shaping and dynamic sampling. False: skip the step (NaN)."""
         n, spec = self.cfg.rollout.n, self.plan.algorithm
         with self.timer("reward"):
-            step.scores = self._scores_of("reward", step.out)
+            step.scores = self._rewards(step.out)
             if step.greedy is not None:
-                step.baseline = self._scores_of("reward", step.greedy).repeat_interleave(n)
+                step.baseline = self._rewards(step.greedy).repeat_interleave(n)
             step.costs = self._scores_of("cost", step.out) if spec.needs_cost_model else None
         if not self._finite_scores(step.scores, step.baseline, step.costs):
             return False
@@ -278,7 +300,7 @@ class RLTrainer:
             "response_length_mean": response_tokens / len(out), "prompt_length_mean": prompt_tokens / len(out),
             "tokens_per_s": (prompt_tokens + response_tokens) / max(times.get("time/step", 0.0), 1e-9),
             **({"baseline_reward_mean": float(step.baseline.mean())} if step.baseline is not None else {}),
-            **times})
+            **episode_metrics(out.sequences), **times})
         self._check_finite(metrics)
         return metrics
 
@@ -302,16 +324,23 @@ class RLTrainer:
             actor = self.roles["actor"]
 
             def more(round_: int):
-                with timer("generation"):
-                    extra, = actor.generate_many(self.loader.next_batch(), [{"seed": seed + 7919 * round_}])
-                timer.add("transition", extra.sequences.meta.get("timing", {}).get("transition", 0.0))
+                extra, = self._sample(self.loader.next_batch(), [{"seed": seed + 7919 * round_}])
                 with timer("reward"):
-                    return extra, self._overlong(extra, self._scores_of("reward", extra))
+                    return extra, self._overlong(extra, self._rewards(extra))
 
             pad = actor.tokenizer.pad_token_id or 0
             out, scores, refill_metrics = refill(out, scores, n, alg.max_refill_rounds, more, pad)
             metrics.update(refill_metrics)
         return out, scores, metrics
+
+    def _rewards(self, rollout: Any) -> torch.Tensor:
+        """[B] rewards: an episode's (discounted turn rewards), plus the reward function's / model's if any."""
+        episode = rollout.sequences.non_tensors.get("episode_rewards")
+        scores = None if episode is None else torch.tensor(episode.astype(float), dtype=torch.float32)
+        if "reward" in self.roles:
+            scored = self._scores_of("reward", rollout)
+            scores = scored if scores is None else scores + scored
+        return scores
 
     def _scores_of(self, role: str, rollout: Any) -> torch.Tensor:
         # the rollout carries its prompts (one per response): a reward model reuses the token ids when it

@@ -40,6 +40,7 @@ class RunPlan:
     reward_fn: str | None = None
     cost_fn: str | None = None
     max_model_len: int = 0
+    response_length: int = 0  # the most tokens after a prompt: max_new_tokens, or an episode's token budget
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
     mini_batches: int = 1
     loss_agg: str = "token_mean"  # the actor loss's aggregation (algorithm.loss_agg or the algorithm's)
@@ -50,6 +51,34 @@ class RunPlan:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _episode_tokens(roll: Any) -> int:
+    return roll.max_episode_tokens or 2 * roll.max_turns * roll.max_new_tokens
+
+
+def _check_episodes(cfg: Any) -> None:
+    """rollout.env and its options: the environment builds from its arguments; budgets that fit."""
+    from hybridrl.envs import env_class
+
+    roll, alg = cfg.rollout, cfg.algorithm
+    if not roll.env:
+        _check(not roll.env_kwargs, f"rollout.env_kwargs={dict(roll.env_kwargs)} is set but rollout.env is not; "
+                                    f"name the environment or drop its arguments")
+        return
+    try:
+        env_class(roll.env)(**dict(roll.env_kwargs))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    except TypeError as exc:
+        raise ConfigError(f"rollout.env_kwargs={dict(roll.env_kwargs)}: {roll.env} does not take them ({exc})") \
+            from None
+    _check(_episode_tokens(roll) >= roll.max_new_tokens,
+           f"rollout.max_episode_tokens={roll.max_episode_tokens} < rollout.max_new_tokens={roll.max_new_tokens}: "
+           f"not even one turn fits; raise it or leave it unset")
+    _check(not alg.get("overlong_buffer"),
+           f"algorithm.overlong_buffer={alg.overlong_buffer} shapes single responses by max_new_tokens; with "
+           f"rollout.env the episode's token budget ends it (rollout.max_episode_tokens); unset the buffer")
 
 
 def _model_dir(path: str | None, option: str) -> str:
@@ -151,7 +180,8 @@ def plan_run(cfg: Any) -> RunPlan:
         spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
         check_correction(alg.rollout_correction, alg.rollout_correction_cap, alg.rollout_correction_level)
         loss_agg = alg.loss_agg or spec.default_loss_agg  # set by load_config; a bare config: the algorithm's
-        check_loss_agg(loss_agg, roll.max_new_tokens)
+        response_length = _episode_tokens(roll) if roll.env else roll.max_new_tokens
+        check_loss_agg(loss_agg, response_length)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check(0.0 < alg.clip_ratio < 1.0, f"algorithm.clip_ratio={alg.clip_ratio} must be in (0, 1)")
@@ -190,16 +220,19 @@ def plan_run(cfg: Any) -> RunPlan:
 
     plan = RunPlan(algorithm=spec, pools=pools, loss_agg=loss_agg)
     plan.rows_per_step = data.batch_size * roll.n
-    max_len = roll.max_model_len or data.max_prompt_length + roll.max_new_tokens
-    _check(max_len >= data.max_prompt_length + roll.max_new_tokens,
-           f"rollout.max_model_len={max_len} < data.max_prompt_length + rollout.max_new_tokens = "
-           f"{data.max_prompt_length + roll.max_new_tokens}; raise it or leave it unset")
+    _check_episodes(cfg)
+    plan.response_length = response_length
+    what = "rollout.max_episode_tokens" if roll.env else "rollout.max_new_tokens"
+    max_len = roll.max_model_len or data.max_prompt_length + response_length
+    _check(max_len >= data.max_prompt_length + response_length,
+           f"rollout.max_model_len={max_len} < data.max_prompt_length + {what} = "
+           f"{data.max_prompt_length + response_length}; raise it or leave it unset")
     plan.max_model_len = max_len
     for role in ("actor", "ref", "critic", "reward_model", "cost_model"):
         budget = cfg[role].max_tokens_per_micro_batch
         _check(budget is None or budget >= max_len,
                f"{role}.max_tokens_per_micro_batch={budget} is below the longest sequence (data.max_prompt_length + "
-               f"rollout.max_new_tokens = {max_len} tokens); raise it to at least {max_len} or set it to null "
+               f"{what} = {max_len} tokens); raise it to at least {max_len} or set it to null "
                f"({role}.micro_batch_size sequences per micro-batch)")
 
     wanted = ["actor"]
@@ -270,8 +303,8 @@ def plan_run(cfg: Any) -> RunPlan:
 
     _check(not (cfg.reward_model.model and cfg.reward.fn),
            "both reward_model.model and reward.fn are set: score with one (unset the other)")
-    if not cfg.reward_model.model:
-        plan.reward_fn = cfg.reward.fn or task_reward_path()
+    if not cfg.reward_model.model:  # an environment's own rewards need no rule; one given is added to them
+        plan.reward_fn = cfg.reward.fn or (None if roll.env else task_reward_path())
     if spec.needs_cost_model and not cfg.cost_model.model:
         plan.cost_fn = cfg.reward.cost_fn
     for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):

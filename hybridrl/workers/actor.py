@@ -70,6 +70,7 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
                                    bucket_mb=self.rollout_spec.bucket_mb)
         self.engine = self._build_engine()
         self.engine.release()  # KV cache only while generating
+        self._generating = False  # between begin_generation and end_generation
 
     def _build_engine(self):
         from hybridrl.rollout import build_rollout_engine
@@ -93,28 +94,62 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
 
         `sampling` may be a list of settings (e.g. sampled + greedy for ReMax): all are generated inside one
         transition, and the result is (replica index, [Batch per setting])."""
+        transition_s = self.begin_generation()
+        start = time.perf_counter()
+        try:
+            result = self.generate_turn(prompts, sampling)
+        finally:
+            generation_s = time.perf_counter() - start
+            transition_s += self.end_generation()
+        if result is None:
+            return None
+        for out in (result[1] if isinstance(sampling, list) else [result[1]]):
+            # the transition is shared: each result reports it (the driver takes the max)
+            out.meta["timing"] = {"transition": transition_s, "generation": generation_s}
+        return result
+
+    # A multi-turn rollout holds the generation layout over several calls: begin, one generate_turn per
+    # turn of the episodes, end (the driver always ends, also after a failed turn).
+    @register(Dispatch.ONE_TO_ALL)
+    def begin_generation(self) -> float:
+        """Training -> generation layout, new weights into the engine, KV cache back; returns its seconds."""
+        if self._generating:
+            return 0.0
+        start = time.perf_counter()
+        gen_model = self.hybrid.to_generation()
+        self._generating = True
+        self._push_weights(gen_model)
+        self.engine.wake()
+        return time.perf_counter() - start
+
+    @register(Dispatch.ONE_TO_ALL)
+    def generate_turn(self, prompts: Batch, sampling: dict | list[dict]) -> tuple[int, Any] | None:
+        """Generate (in the generation layout, see begin_generation) for this replica's share of `prompts`;
+        (replica index, Batch or [Batch per setting]) on generation TP rank 0, None elsewhere."""
+        if not self._generating:
+            raise RuntimeError("generate_turn() outside begin_generation() / end_generation()")
         settings = sampling if isinstance(sampling, list) else [sampling]
         replica, replicas = self.hybrid.gen_dp_rank, self.hybrid.gen_dp_size
         share = prompts.chunk(replicas)[replica]
-        start = time.perf_counter()
-        gen_model = self.hybrid.to_generation()
-        self._push_weights(gen_model)
-        self.engine.wake()
-        transition_s = time.perf_counter() - start
-        try:
-            outs = [self._generate(share, dict(setting), replica) for setting in settings] if len(share) else None
-        finally:
-            start_back = time.perf_counter()
-            self.engine.release()
-            self.hybrid.to_training()
-            transition_s += time.perf_counter() - start_back
-        generation_s = time.perf_counter() - start - transition_s
-        if outs is None or not self.hybrid.is_gen_collect_rank:
+        if not len(share):
             return None
-        for out in outs:  # the transition is shared: each result reports it (the driver takes the max)
-            out.meta["timing"] = {"transition": transition_s, "generation": generation_s}
+        outs = [self._generate(share, dict(setting), replica) for setting in settings]
+        if not self.hybrid.is_gen_collect_rank:
+            return None
+        for out in outs:
             out.meta["reshard_recv_bytes"] = self.hybrid.last_stats.recv_payload_bytes
         return replica, (outs if isinstance(sampling, list) else outs[0])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def end_generation(self) -> float:
+        """KV cache released, generation -> training layout; returns its seconds."""
+        if not self._generating:
+            return 0.0
+        start = time.perf_counter()
+        self.engine.release()
+        self.hybrid.to_training()
+        self._generating = False
+        return time.perf_counter() - start
 
     def _generate(self, share: Batch, sampling: dict, replica: int) -> Batch:
         from hybridrl.rollout import SamplingParams

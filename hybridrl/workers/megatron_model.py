@@ -68,11 +68,12 @@ def model_spec(model: dict[str, Any], layout: Any, **fixed: Any) -> ModelSpec:
 
 
 def rollout_rows(data: Batch, multiple_of: int = 1) -> PackedSequences:
-    """Pack a rollout Batch (prompts / responses / attention_mask / response_mask) into causal rows whose
-    width is a multiple of `multiple_of` (sequence parallelism splits the sequence over TP ranks)."""
+    """Pack a rollout Batch (prompts / responses / attention_mask) into causal rows whose width is a multiple
+    of `multiple_of` (sequence parallelism splits the sequence over TP ranks). Every real response token is
+    packed, observations of a multi-turn episode too; response_mask later picks the ones trained on."""
     prompt_width = data["prompts"].shape[1]
     return pack(data["prompts"], data["attention_mask"][:, :prompt_width], data["responses"],
-                data["response_mask"], multiple_of=multiple_of)
+                data["attention_mask"][:, prompt_width:], multiple_of=multiple_of)
 
 
 class MegatronModel:
