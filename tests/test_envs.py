@@ -121,12 +121,15 @@ def test_charset_turns_episode():
     last = env.step("12ab")
     assert last.done and last.observation == "" and last.reward == pytest.approx(0.5 / 3)
     assert make_env("charset_turns").reset({"prompt": "x", "turn_sets": ["vowels", "vowels"]}) == "vowels:"
+    same = make_env("charset_turns", turns=2, alternate=False)
+    assert same.reset({"prompt": "digits: qzk"}) == "digits:" and same.step("7").observation == "digits:"
 
 
 def test_tool_answer_episode_counts_calls_and_errors():
     tools = ToolRegistry()
     tools.register(python_tool(timeout_s=60))
     env = make_env("tool_answer", tools=tools)
+    assert [spec["function"]["name"] for spec in env.tool_specs()] == ["python"]  # for the chat template's tools=
     assert env.reset({"prompt": "What is 2**20?", "answer": 1048576}) == "What is 2**20?"
     step = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(2**20)"}}</tool_call>'
                     '<tool_call>{"name": "calc", "arguments": {}}</tool_call>')

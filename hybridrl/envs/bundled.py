@@ -49,6 +49,9 @@ class ToolAnswerEnv(Environment):
             tools.register(python_tool())
         self.tools = tools
 
+    def tool_specs(self) -> list[dict]:
+        return self.tools.specs()
+
     def reset(self, row: dict[str, Any]) -> str:
         if "answer" not in row:
             raise ValueError("tool_answer: the prompt rows need an 'answer' column")

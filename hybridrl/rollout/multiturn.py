@@ -52,11 +52,12 @@ class ConversationFormat:
                              "messages; set data.chat_template=false or use a chat tokenizer")
         self.tokenizer, self.chat = tokenizer, chat
 
-    def first(self, text: str) -> list[int]:
+    def first(self, text: str, tools: list[dict] | None = None) -> list[int]:
+        """The episode's prompt; `tools` (the environment's tool specs) go to the chat template's `tools=`."""
         if not self.chat:
             return list(self.tokenizer(text)["input_ids"])
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                      add_generation_prompt=True)
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tools=tools or None,
+                                                      tokenize=False, add_generation_prompt=True)
         return self._encode(rendered)
 
     def observation(self, text: str, role: str = "user", after_token: int | None = None) -> list[int]:
@@ -139,7 +140,7 @@ class EpisodeRunner:
         for row in rows:
             env = make_env(self.env_name, **self.env_kwargs)
             first = self._env_call(env.reset, row, row, "reset")
-            prompt = self.format.first(str(first))
+            prompt = self.format.first(str(first), env.tool_specs())
             if len(prompt) > self.limits.max_prompt_length:
                 raise EnvironmentStepError(
                     f"rollout.env={self.env_name!r}: the first observation of prompt {row['prompt'][:40]!r} is "

@@ -308,9 +308,10 @@ class RLTrainer:
         alg = self.cfg.algorithm
         if not alg.overlong_buffer:
             return scores
-        lengths = rollout.mask.sum(-1)
+        # the tokens after the prompt against their budget: an episode's observations count (they fill it too)
+        lengths = rollout.sequences["attention_mask"][:, rollout.sequences["prompts"].shape[1]:].sum(-1)
         penalty = alg.overlong_penalty if alg.overlong_penalty is not None else 1.0
-        return scores + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, alg.overlong_buffer, penalty)
+        return scores + overlong_penalty(lengths, self.plan.response_length, alg.overlong_buffer, penalty)
 
     def _shape_and_filter(self, out: Any, scores: torch.Tensor, seed: int) -> tuple[Any, torch.Tensor, dict]:
         """DAPO's overlong shaping and dynamic sampling, when algorithm.overlong_buffer / max_refill_rounds ask."""

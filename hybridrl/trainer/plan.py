@@ -76,9 +76,6 @@ def _check_episodes(cfg: Any) -> None:
     _check(_episode_tokens(roll) >= roll.max_new_tokens,
            f"rollout.max_episode_tokens={roll.max_episode_tokens} < rollout.max_new_tokens={roll.max_new_tokens}: "
            f"not even one turn fits; raise it or leave it unset")
-    _check(not alg.get("overlong_buffer"),
-           f"algorithm.overlong_buffer={alg.overlong_buffer} shapes single responses by max_new_tokens; with "
-           f"rollout.env the episode's token budget ends it (rollout.max_episode_tokens); unset the buffer")
 
 
 def _model_dir(path: str | None, option: str) -> str:
@@ -193,8 +190,9 @@ def plan_run(cfg: Any) -> RunPlan:
            f"algorithm.max_refill_rounds={refill} (dynamic sampling) drops prompt groups with equal rewards: it "
            f"needs rollout.n >= 2 and an algorithm without a greedy baseline or a cost (set it to 0)")
     buffer = alg.get("overlong_buffer") or 0
-    _check(0 <= buffer < roll.max_new_tokens, f"algorithm.overlong_buffer={buffer} must be in [0, "
-                                              f"rollout.max_new_tokens={roll.max_new_tokens})")
+    limit = "rollout.max_episode_tokens" if roll.env else "rollout.max_new_tokens"
+    _check(0 <= buffer < response_length, f"algorithm.overlong_buffer={buffer} must be in [0, {limit}="
+                                          f"{response_length})")
     _check(spec.needs_cost_model or not has_cost,
            f"algorithm {alg.name!r} uses no cost signal: unset cost_model.model / reward.cost_fn (safe_rlhf uses them)")
     _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")

@@ -229,6 +229,7 @@ def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | 
     from hybridrl.controller.interrupts import Interrupted
     from hybridrl.models.config import CheckpointError
     from hybridrl.trainer.loop import NonFiniteError, RestartsExhaustedError
+    from hybridrl.envs.base import EnvironmentStepError
     from hybridrl.workers.rule_reward import RewardFunctionError
 
     if isinstance(exc, Interrupted):
@@ -245,6 +246,6 @@ def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | 
                                        "trainer.run_dir at a larger disk, then trainer.resume=auto")
     if isinstance(exc, WorkerError):  # the first failing rank; its peers were killed, not waited out
         return EXIT_CODES["failed"], f"{_log_error(run_dir, exc)} at step {steps_done + 1}"
-    if isinstance(exc, RewardFunctionError):  # user code: the function and the row, the traceback in the log
+    if isinstance(exc, (RewardFunctionError, EnvironmentStepError)):  # user code: named with the row; traceback logged
         return EXIT_CODES["config"], _log_error(run_dir, getattr(exc, "cause", None) or exc)
     return None
