@@ -219,19 +219,10 @@ def test_every_algorithm_trains_on_episodes(ray_two_devices, algorithm, monkeypa
 @pytest.mark.slow
 def test_multiturn_config_learns(ray_two_devices, tmp_path):
     """configs/grpo_multiturn_tiny.yaml: reward first < 0.3 -> last > 0.7, more than one turn per episode."""
-    from hybridrl.config import load_config
-    from hybridrl.trainer.loop import RLTrainer
-    from hybridrl.trainer.plan import plan_run
+    from test_trainer_e2e import run_steps
 
-    cfg = load_config("grpo_multiturn_tiny.yaml", [f"trainer.run_dir={tmp_path}"])
-    trainer = RLTrainer(cfg, plan_run(cfg))
-    try:
-        trainer.start()
-        history = [trainer.train_step() for _ in range(cfg.trainer.steps)]
-    finally:
-        trainer.close()
+    _, history = run_steps([f"trainer.run_dir={tmp_path}"], "grpo_multiturn_tiny.yaml")
     rewards = [m["reward_mean"] for m in history]
-    (tmp_path / "rewards.json").write_text(json.dumps(rewards))
     assert rewards[0] < 0.3 and sum(rewards[-5:]) / 5 > 0.7, rewards
     assert sum(m["rollout/turns_mean"] for m in history) / len(history) > 1.0
 

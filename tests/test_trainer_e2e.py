@@ -40,8 +40,9 @@ def cost_model(tmp_path_factory):
                                  hidden=32, layers=2, heads=4, kv_heads=2, head="seq_cls", seed=5))
 
 
-def run_steps(overrides: list[str]) -> tuple[RLTrainer, list[dict]]:
-    cfg = load_config(None, COMMON + overrides)
+def run_steps(overrides: list[str], config: str | None = None) -> tuple[RLTrainer, list[dict]]:
+    """trainer.steps steps of a config (None: the default with COMMON's small shapes) in this process."""
+    cfg = load_config(config, (COMMON if config is None else []) + overrides)
     trainer = RLTrainer(cfg, plan_run(cfg))
     try:
         trainer.start()
