@@ -25,6 +25,7 @@ _EXPORTS = {
     "Critic": "hybridrl.api",
     "RewardModel": "hybridrl.api",
     "Rollout": "hybridrl.api",
+    "RolloutReplicas": "hybridrl.api",
     "algorithms": "hybridrl.algorithms",
 }
 

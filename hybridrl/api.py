@@ -179,6 +179,7 @@ class Actor(_Role):
         engine_spec["pad_token_id"] = self.tokenizer.pad_token_id or 0
         engine_spec["stop_token_ids"] = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.loss = dict(loss or {})
+        self.model_path, self.dtype, self.engine_spec = path, dtype, engine_spec
         model_spec = {"path": path, "dtype": dtype, "micro_batch_size": micro_batch_size,
                       "max_tokens_per_micro_batch": max_tokens_per_micro_batch, "optim": dict(optim or {})}
         super().__init__(ActorWorker, role, resource_pool, parallel,
@@ -307,6 +308,58 @@ class Actor(_Role):
     @sampling_seed.setter
     def sampling_seed(self, value: int) -> None:
         self._step_seed = int(value)
+
+
+class RolloutReplicas(_Role):
+    """Generation replicas on a pool of their own (disaggregated), fed by `actor`'s training ranks shard to
+    shard (hybrid_engine/bridge.py). `tp`: the generation TP (dividing the actor's); the pool's devices / tp
+    replicas split the prompts. Call `sync()` after each actor update; `generate_sequences` like the actor's."""
+
+    def __init__(self, actor: Actor, resource_pool: ResourcePool, tp: int = 1, engine: str = "native",
+                 max_batch_size: int = 64, seed: int = 1, call_timeout_s: float | None = 3600.0,
+                 bridge_timeout_s: float = 600.0) -> None:
+        from hybridrl.hybrid_engine.bridge import bridge_plan
+        from hybridrl.workers.rollout import RolloutWorker
+
+        self.actor = actor
+        per_rank = actor.group.bridge_metas()
+        self.metas = {rank: info["metas"] for rank, info in enumerate(per_rank)}
+        spec = {"engine": engine, "tp": tp, "max_model_len": actor.engine_spec.get("max_model_len", 512),
+                "max_batch_size": max_batch_size, "pad_token_id": actor.engine_spec["pad_token_id"],
+                "stop_token_ids": actor.engine_spec["stop_token_ids"]}
+        model = {"path": actor.model_path, "dtype": actor.dtype}
+        super().__init__(RolloutWorker, "rollout", resource_pool, {"tp": tp},
+                         {"model": model, "rollout": spec, "padded_vocab_size": per_rank[0]["padded_vocab_size"]},
+                         seed, call_timeout_s)
+        self.plan = bridge_plan(actor.layout, tp, self.layout.world_size)
+        self.dtype = per_rank[0]["dtype"]
+        train_ranks = actor.layout.world_size
+        size = train_ranks + self.layout.world_size
+        host, port = actor.group.rendezvous_address()
+        from hybridrl.controller import wait_all
+
+        wait_all([actor.group.bridge_open.remote(host, port, size, bridge_timeout_s),
+                  self.group.bridge_open.remote(host, port, size, train_ranks, bridge_timeout_s)])
+
+    def sync(self) -> dict[str, float]:
+        """The actor's current weights into every replica; bytes sent / received and seconds."""
+        from hybridrl.controller import wait_all
+
+        sent, received = wait_all([self.actor.group.bridge_send.remote(self.plan),
+                                   self.group.bridge_receive.remote(self.plan, self.metas, self.actor.layout)])
+        return {"sent_bytes": float(sum(sent)), "received_bytes": [r["received_bytes"] for r in received],
+                "shard_bytes": [r["shard_bytes"] for r in received], "seconds": max(r["seconds"] for r in received),
+                "version": received[0]["version"]}
+
+    def generate_sequences(self, prompts: Any, greedy: bool = False, seed: int | None = None,
+                           **sampling: Any) -> Rollout:
+        actor = self.actor
+        batch, texts, metadata = actor.encode_prompts(prompts)
+        params = actor.sampling_params({"greedy": greedy, "seed": seed, **sampling})
+        sequences = merge_replicas(self.group.generate_sequences(batch, params), actor.tokenizer.pad_token_id or 0)
+        n = int(params.get("n", 1))
+        return Rollout(sequences, actor.decode_responses(sequences), [t for t in texts for _ in range(n)],
+                       [m for m in metadata for _ in range(n)], actor.tokenizer)
 
 
 class ReferencePolicy(_Role):

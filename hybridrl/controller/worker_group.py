@@ -290,6 +290,11 @@ class WorkerGroup:
     def world_size(self) -> int:
         return self.layout.world_size
 
+    def rendezvous_address(self) -> tuple[str, int]:
+        """A free (host, port) on rank 0's node: where a group spanning this pool and another one meets."""
+        return _wait_ranks({0: self._hosts.actors[0].publish_master_address.remote()}, self.role,
+                           "rendezvous_address", self.call_timeout_s)[0]
+
     @property
     def worker_info(self) -> list[dict]:
         """Per rank: pid, node ip, CUDA_VISIBLE_DEVICES, Ray GPU ids, thread count."""

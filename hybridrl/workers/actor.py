@@ -167,6 +167,34 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
 
         self.engine.load_weights(iter_full_hf_tensors(gen_model, self.model.hf_config))
 
+    # ---- weights to a rollout pool of its own (hybrid_engine/bridge.py) -----------------------------------
+    @register(Dispatch.ONE_TO_ALL)
+    def bridge_metas(self) -> dict:
+        """What this rank's training shards look like (the receivers size their buffers from it)."""
+        from hybridrl.hybrid_engine.bridge import ShardMeta
+        from hybridrl.hybrid_engine.megatron_adapter import training_params
+
+        params = training_params(self.model.model, self.layout.coords(self.rank).pp)
+        return {"metas": [ShardMeta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in params],
+                "dtype": str(params[0].tensor.dtype).removeprefix("torch."),
+                "padded_vocab_size": self.model.inner.hybridrl_args.padded_vocab_size}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def bridge_open(self, host: str, port: int, size: int, timeout_s: float) -> None:
+        from hybridrl.hybrid_engine.bridge import open_bridge
+
+        self._bridge = open_bridge(host, port, self.rank, size, timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def bridge_send(self, plan: list) -> int:
+        """Send this rank's shards to the rollout ranks that need them; returns the payload bytes."""
+        from hybridrl.hybrid_engine.bridge import ShardMeta, send_shards
+        from hybridrl.hybrid_engine.megatron_adapter import training_params
+
+        params = training_params(self.model.model, self.layout.coords(self.rank).pp)
+        metas = [ShardMeta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in params]
+        return send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas)
+
     # ---- training layout ---------------------------------------------------------------------------------
     @register(Dispatch.DP_COMPUTE)
     def compute_log_probs(self, data: Batch) -> Batch:

@@ -1,0 +1,126 @@
+"""Shard-to-shard weight sync from the actor's training ranks to a rollout pool of its own (disaggregated).
+
+The rollout pool's ranks hold a generation-layout model (t_g, p_g = 1; dp replicas). After an update, one
+training replica (dp rank 0) sends each rollout rank exactly the training shards its generation shard is made
+of: for generation TP index g, the shards of training TP ranks g*k .. g*k+k-1 (k = t / t_g) of every pipeline
+stage, one packed message per (sender, receiver) pair; replicated tensors (norms) come from the first of those
+only. The transport is a gloo process group spanning both pools (the "bridge": training ranks 0..A-1, rollout
+ranks A..A+B-1), opened once next to each pool's own group. Each receiver assembles its shards exactly as the
+colocated hybrid engine does (plan.generation_shard_from_training) and copies them into its model in place.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.hybrid_engine.plan import ParamSpec, generation_shard_from_training
+from hybridrl.parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """A training shard as the receiver needs to know it (no data)."""
+    name: str
+    shape: tuple[int, ...]
+    partition_dim: int | None
+    regroup: str
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+@dataclass(frozen=True)
+class Transfer:
+    sender: int  # training rank (= its bridge rank)
+    receiver: int  # rollout rank (its bridge rank is A + receiver)
+    replicated: bool  # whether the message also carries the replicated tensors
+
+
+def bridge_plan(train: ParallelLayout, gen_tp: int, rollout_ranks: int) -> list[Transfer]:
+    """Every (training rank -> rollout rank) message of one sync, in a fixed order."""
+    if train.tp % gen_tp:
+        raise ValueError(f"rollout.tp={gen_tp} must divide actor.parallel.tp={train.tp}: a generation shard is "
+                         f"regrouped from whole training shards")
+    if rollout_ranks % gen_tp:
+        raise ValueError(f"the rollout pool's {rollout_ranks} devices do not split into replicas of rollout.tp={gen_tp}")
+    gen = ParallelLayout(tp=gen_tp, dp=rollout_ranks // gen_tp)
+    k = train.tp // gen_tp
+    out = []
+    for receiver in range(rollout_ranks):
+        g = gen.coords(receiver).tp
+        for stage in range(train.pp):
+            for tp in range(g * k, (g + 1) * k):
+                out.append(Transfer(train.rank(pp=stage, dp=0, tp=tp), receiver, replicated=tp == g * k))
+    return out
+
+
+def open_bridge(host: str, port: int, rank: int, size: int, timeout_s: float = 600.0):
+    """The gloo group spanning both pools (bridge rank 0 hosts the rendezvous store)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore("hybridrl-bridge", store), rank, size, timeout)
+
+
+def _message_metas(metas: list[ShardMeta], replicated: bool) -> list[ShardMeta]:
+    return [m for m in metas if replicated or m.partition_dim is not None]
+
+
+def send_shards(pg, plan: list[Transfer], rank: int, params: dict[str, torch.Tensor], metas: list[ShardMeta]) -> int:
+    """Send this training rank's messages; returns the payload bytes sent."""
+    works, sent = [], 0
+    for transfer in plan:
+        if transfer.sender != rank:
+            continue
+        chosen = _message_metas(metas, transfer.replicated)
+        buffer = torch.cat([params[m.name].detach().reshape(-1) for m in chosen]) if chosen else torch.empty(0)
+        works.append((pg.send([buffer], pg.size() - _rollout_count(plan) + transfer.receiver, rank), buffer))
+        sent += buffer.numel() * buffer.element_size()
+    for work, _ in works:
+        work.wait()
+    return sent
+
+
+def _rollout_count(plan: list[Transfer]) -> int:
+    return max(t.receiver for t in plan) + 1
+
+
+def receive_shards(pg, plan: list[Transfer], receiver: int, metas: dict[int, list[ShardMeta]],
+                   train: ParallelLayout, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], int]:
+    """This rollout rank's generation shard {global name: tensor} and the payload bytes received."""
+    mine = [t for t in plan if t.receiver == receiver]
+    buffers, works = {}, []
+    for transfer in mine:
+        numel = sum(m.numel for m in _message_metas(metas[transfer.sender], transfer.replicated))
+        buffers[transfer.sender] = torch.empty(numel, dtype=dtype)
+        works.append(pg.recv([buffers[transfer.sender]], transfer.sender, transfer.sender))
+    for work in works:
+        work.wait()
+    pieces: dict[int, dict[str, torch.Tensor]] = {}
+    received = 0
+    for transfer in mine:
+        offset, views = 0, {}
+        for m in _message_metas(metas[transfer.sender], transfer.replicated):
+            views[m.name] = buffers[transfer.sender][offset:offset + m.numel].view(m.shape)
+            offset += m.numel
+        pieces[transfer.sender] = views
+        received += buffers[transfer.sender].numel() * buffers[transfer.sender].element_size()
+    out: dict[str, torch.Tensor] = {}
+    by_stage: dict[int, list[Transfer]] = {}
+    for transfer in mine:
+        by_stage.setdefault(train.coords(transfer.sender).pp, []).append(transfer)
+    for stage, transfers in sorted(by_stage.items()):
+        transfers.sort(key=lambda t: train.coords(t.sender).tp)
+        first = transfers[0]
+        for m in metas[first.sender]:
+            if m.name in out:  # a tied embedding's copy on the last stage
+                continue
+            if m.partition_dim is None:
+                out[m.name] = pieces[first.sender][m.name]
+                continue
+            spec = ParamSpec(m.name, m.shape, m.partition_dim, None, "layer", m.regroup)
+            out[m.name] = generation_shard_from_training([pieces[t.sender][m.name] for t in transfers], spec)
+    return out, received

@@ -1,0 +1,62 @@
+"""Disaggregated rollout (issue 16, first part): generation replicas on a pool of their own, their weights sent
+shard to shard from the actor's training ranks over a gloo group spanning both pools (hybrid_engine/bridge.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridrl
+from hybridrl.hybrid_engine.bridge import Transfer, bridge_plan
+from hybridrl.parallel.layout import ParallelLayout
+
+PROMPTS = ["vowels: qzk", "digits: xy", "vowels: b", "digits: mnop"]
+
+
+def test_bridge_plan_sends_each_generation_rank_its_training_shards_once():
+    train = ParallelLayout(tp=4, pp=2, dp=2)
+    plan = bridge_plan(train, gen_tp=2, rollout_ranks=4)  # 2 generation replicas of t_g=2
+    assert len(plan) == 4 * 2 * 2  # receivers x stages x (t / t_g) shards each
+    for receiver in range(4):
+        g = receiver % 2  # generation TP index within its replica
+        mine = [t for t in plan if t.receiver == receiver]
+        coords = [train.coords(t.sender) for t in mine]
+        assert all(c.dp == 0 for c in coords)  # one training replica sends
+        assert sorted((c.pp, c.tp) for c in coords) == [(p, tp) for p in range(2) for tp in (2 * g, 2 * g + 1)]
+        assert [t.replicated for t in mine] == [True, False, True, False]  # norms once per stage
+    assert Transfer(train.rank(pp=1, tp=3), 3, False) in plan
+    with pytest.raises(ValueError, match="rollout.tp=3 must divide actor.parallel.tp=4"):
+        bridge_plan(train, 3, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 1, "pp": 2}], ids=["tp2", "pp2"])
+def test_rollout_pool_gets_the_actors_weights_shard_to_shard(ray_four_devices, parallel):
+    actor_pool = hybridrl.ResourcePool(devices=2, name="train")
+    rollout_pool = hybridrl.ResourcePool(devices=2, name="gen")
+    try:
+        actor = hybridrl.Actor(parallel=parallel, rollout={"tp": 1, "max_new_tokens": 8, "n": 2},
+                               resource_pool=actor_pool, optim={"optimizer": "sgd", "lr": 0.5, "clip_grad": 1e9,
+                                                                "use_distributed_optimizer": False})
+        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, tp=1)  # 2 replicas of t_g=1
+        # before any sync both hold the HF folder's weights: the same greedy answers
+        assert replicas.generate_sequences(PROMPTS, greedy=True).texts == \
+            actor.generate_sequences(PROMPTS, greedy=True).texts
+
+        out = actor.generate_sequences(PROMPTS, seed=3)
+        actor.update(actions=out, advantages=torch.randn(len(out), generator=torch.Generator().manual_seed(0)))
+        stale = replicas.generate_sequences(PROMPTS, seed=7)  # still the old weights: far from the updated policy
+        assert ((actor.compute_log_probs(stale) - stale.log_probs) * stale.mask).abs().max() > 1e-2
+        stats = replicas.sync()
+        assert stats["version"] == 1
+        # each generation rank received exactly its generation shard (t_g=1: the whole model), nothing twice
+        assert stats["received_bytes"] == stats["shard_bytes"] and stats["sent_bytes"] == sum(stats["received_bytes"])
+
+        sampled = replicas.generate_sequences(PROMPTS, seed=7)
+        assert sampled.sequences.meta["policy_version"] == 1
+        trained = actor.compute_log_probs(sampled)
+        assert ((trained - sampled.log_probs) * sampled.mask).abs().max() < 1e-4  # the updated policy's
+        assert replicas.generate_sequences(PROMPTS, greedy=True).texts == \
+            actor.generate_sequences(PROMPTS, greedy=True).texts
+    finally:
+        rollout_pool.shutdown()
+        actor_pool.shutdown()
