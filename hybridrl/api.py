@@ -340,26 +340,66 @@ class RolloutReplicas(_Role):
 
         wait_all([actor.group.bridge_open.remote(host, port, size, bridge_timeout_s),
                   self.group.bridge_open.remote(host, port, size, train_ranks, bridge_timeout_s)])
+        self.version = 0  # syncs sent; the replicas start from the model folder's weights (= the actor's)
+        self._receiving = None
 
     def sync(self) -> dict[str, float]:
-        """The actor's current weights into every replica; bytes sent / received and seconds."""
-        from hybridrl.controller import wait_all
+        """Send the actor's current weights to every replica. The training ranks pack copies and return (training
+        may go on at once); the replicas take the new weights before their next generation, after any generation
+        already queued. Returns the bytes sent and the version the replicas will hold."""
+        if self._receiving is not None:
+            self._receiving.result()  # the previous sync's receives were posted (their errors surface here)
+        sent = self.actor.group.bridge_send(self.plan)
+        self._receiving = self.group.bridge_receive.remote(self.plan, self.metas, self.actor.layout)
+        self.version += 1
+        return {"sent_bytes": float(sum(sent)), "version": float(self.version)}
 
-        sent, received = wait_all([self.actor.group.bridge_send.remote(self.plan),
-                                   self.group.bridge_receive.remote(self.plan, self.metas, self.actor.layout)])
-        return {"sent_bytes": float(sum(sent)), "received_bytes": [r["received_bytes"] for r in received],
-                "shard_bytes": [r["shard_bytes"] for r in received], "seconds": max(r["seconds"] for r in received),
-                "version": received[0]["version"]}
+    def sync_stats(self) -> dict:
+        """Per rank, the last sync applied: received_bytes, shard_bytes (its generation shard), seconds, version."""
+        return {k: [r[k] for r in self.group.bridge_stats()] for k in ("received_bytes", "shard_bytes", "seconds",
+                                                                       "version")}
+
+    def submit(self, prompts: Any, settings: list[dict]) -> "PendingRollouts":
+        """Start generating (one Rollout per sampling setting, like Actor.generate_many) without waiting: the
+        replicas work while the driver trains; `.result()` collects. Calls run in submission order."""
+        actor = self.actor
+        batch, texts, metadata = actor.encode_prompts(prompts)
+        params = [actor.sampling_params(setting) for setting in settings]
+        future = self.group.generate_sequences.remote(batch, params)
+        return PendingRollouts(future, params, texts, metadata, actor, self.version)
+
+    def generate_many(self, prompts: Any, settings: list[dict]) -> list[Rollout]:
+        return self.submit(prompts, settings).result()
 
     def generate_sequences(self, prompts: Any, greedy: bool = False, seed: int | None = None,
                            **sampling: Any) -> Rollout:
-        actor = self.actor
-        batch, texts, metadata = actor.encode_prompts(prompts)
-        params = actor.sampling_params({"greedy": greedy, "seed": seed, **sampling})
-        sequences = merge_replicas(self.group.generate_sequences(batch, params), actor.tokenizer.pad_token_id or 0)
-        n = int(params.get("n", 1))
-        return Rollout(sequences, actor.decode_responses(sequences), [t for t in texts for _ in range(n)],
-                       [m for m in metadata for _ in range(n)], actor.tokenizer)
+        return self.generate_many(prompts, [{"greedy": greedy, "seed": seed, **sampling}])[0]
+
+
+class PendingRollouts:
+    """Generation in flight on RolloutReplicas; `version`: the policy version it generates with."""
+
+    def __init__(self, future: Any, params: list[dict], texts: list[str], metadata: list[dict], actor: Actor,
+                 version: int) -> None:
+        self.future, self.params, self.texts, self.metadata, self.actor = future, params, texts, metadata, actor
+        self.version = version
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> list[Rollout]:
+        results, actor = self.future.result(), self.actor
+        rollouts = []
+        for i, params in enumerate(self.params):
+            per_replica = [None if r is None else (r[0], r[1][i]) for r in results]
+            sequences = merge_replicas(per_replica, actor.tokenizer.pad_token_id or 0)
+            sequences.meta.update(policy_version=self.version,
+                                  generation_idle_s=max(r[1][i].meta["idle_s"] for r in results if r is not None))
+            n = int(params.get("n", 1))
+            rollouts.append(Rollout(sequences, actor.decode_responses(sequences),
+                                    [t for t in self.texts for _ in range(n)],
+                                    [m for m in self.metadata for _ in range(n)], actor.tokenizer))
+        return rollouts
 
 
 class ReferencePolicy(_Role):

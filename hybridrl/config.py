@@ -78,6 +78,9 @@ class RolloutConfig:
     bucket_mb: float = 32.0  # most MiB one reshard collective outputs (bounds the transient scratch)
     max_model_len: Optional[int] = None  # None: data.max_prompt_length + max_new_tokens
     max_batch_size: int = 64  # rows decoded together per generation replica (native engine)
+    # the pool generation runs on: the actor's (colocated, the 3D-HybridEngine) or one of its own (disaggregated:
+    # weights sent shard to shard after each update, hybrid_engine/bridge.py)
+    pool: str = "default"
     # multi-turn episodes (rollout/multiturn.py); env None: one prompt -> one response
     env: Optional[str] = None  # a registered environment (charset_turns, tool_answer) or "package.module:Class"
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's constructor arguments
@@ -122,6 +125,9 @@ class AlgorithmConfig:
     loss_agg: Optional[str] = None
     rollout_correction_cap: float = 2.0
     rollout_correction_level: str = "token"
+    # trainer.mode=async: the most policy versions between the weights that generated a sample and the weights
+    # it updates (generation runs this many batches ahead of training); one_step_off is async with 1
+    max_staleness: int = 1
     cost_limit: float = 0.0  # safe_rlhf
     lagrangian_lr: float = 0.05  # safe_rlhf
     lagrangian_init: float = 1.0  # safe_rlhf
@@ -182,6 +188,7 @@ class TrainerConfig:
     resume: str = "never"  # never | auto | PATH
     max_restarts: int = 0
     on_nan: str = "stop"  # stop | skip
+    mode: str = "sync"  # sync | one_step_off | async (both need rollout.pool apart from actor.pool)
     max_skipped_steps: int = 5  # on_nan=skip: this many non-finite steps in a row end the run (exit 3)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # + wandb | mlflow
     project: str = "hybridrl"  # wandb project / MLflow experiment

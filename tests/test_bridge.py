@@ -46,13 +46,13 @@ def test_rollout_pool_gets_the_actors_weights_shard_to_shard(ray_four_devices, p
         actor.update(actions=out, advantages=torch.randn(len(out), generator=torch.Generator().manual_seed(0)))
         stale = replicas.generate_sequences(PROMPTS, seed=7)  # still the old weights: far from the updated policy
         assert ((actor.compute_log_probs(stale) - stale.log_probs) * stale.mask).abs().max() > 1e-2
-        stats = replicas.sync()
-        assert stats["version"] == 1
-        # each generation rank received exactly its generation shard (t_g=1: the whole model), nothing twice
-        assert stats["received_bytes"] == stats["shard_bytes"] and stats["sent_bytes"] == sum(stats["received_bytes"])
-
-        sampled = replicas.generate_sequences(PROMPTS, seed=7)
+        sent = replicas.sync()
+        sampled = replicas.generate_sequences(PROMPTS, seed=7)  # takes the new weights first
         assert sampled.sequences.meta["policy_version"] == 1
+        stats = replicas.sync_stats()
+        assert stats["version"] == [1, 1]
+        # each generation rank received exactly its generation shard (t_g=1: the whole model), nothing twice
+        assert stats["received_bytes"] == stats["shard_bytes"] and sent["sent_bytes"] == sum(stats["received_bytes"])
         trained = actor.compute_log_probs(sampled)
         assert ((trained - sampled.log_probs) * sampled.mask).abs().max() < 1e-4  # the updated policy's
         assert replicas.generate_sequences(PROMPTS, greedy=True).texts == \

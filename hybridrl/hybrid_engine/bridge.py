@@ -69,36 +69,57 @@ def _message_metas(metas: list[ShardMeta], replicated: bool) -> list[ShardMeta]:
     return [m for m in metas if replicated or m.partition_dim is not None]
 
 
-def send_shards(pg, plan: list[Transfer], rank: int, params: dict[str, torch.Tensor], metas: list[ShardMeta]) -> int:
-    """Send this training rank's messages; returns the payload bytes sent."""
-    works, sent = [], 0
+class PendingSends:
+    """One sync's outgoing messages, in flight on gloo's threads. The buffers are copies packed at send time, so
+    the training weights may change right away; `wait()` before sending the next version."""
+
+    def __init__(self, works: list, buffers: list[torch.Tensor]) -> None:
+        self.works, self.buffers = works, buffers
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.buffers = [], []
+
+
+def send_shards(pg, plan: list[Transfer], rank: int, params: dict[str, torch.Tensor], metas: list[ShardMeta],
+                receiver_offset: int) -> tuple[PendingSends, int]:
+    """Start this training rank's messages (a receiver's bridge rank is receiver_offset + its rank); returns them
+    in flight and the payload bytes."""
+    works, buffers, sent = [], [], 0
     for transfer in plan:
         if transfer.sender != rank:
             continue
         chosen = _message_metas(metas, transfer.replicated)
         buffer = torch.cat([params[m.name].detach().reshape(-1) for m in chosen]) if chosen else torch.empty(0)
-        works.append((pg.send([buffer], pg.size() - _rollout_count(plan) + transfer.receiver, rank), buffer))
+        works.append(pg.send([buffer], receiver_offset + transfer.receiver, rank))
+        buffers.append(buffer)
         sent += buffer.numel() * buffer.element_size()
-    for work, _ in works:
-        work.wait()
-    return sent
+    return PendingSends(works, buffers), sent
 
 
-def _rollout_count(plan: list[Transfer]) -> int:
-    return max(t.receiver for t in plan) + 1
+class PendingReceive:
+    """One sync's incoming messages, posted; `assemble()` waits for them and forms the generation shard."""
+
+    def __init__(self, plan: list[Transfer], receiver: int, metas: dict[int, list[ShardMeta]],
+                 train: ParallelLayout, pg, dtype: torch.dtype) -> None:
+        self.mine = [t for t in plan if t.receiver == receiver]
+        self.metas, self.train = metas, train
+        self.buffers, self.works = {}, []
+        for transfer in self.mine:
+            numel = sum(m.numel for m in _message_metas(metas[transfer.sender], transfer.replicated))
+            self.buffers[transfer.sender] = torch.empty(numel, dtype=dtype)
+            self.works.append(pg.recv([self.buffers[transfer.sender]], transfer.sender, transfer.sender))
+
+    def assemble(self) -> tuple[dict[str, torch.Tensor], int]:
+        for work in self.works:
+            work.wait()
+        return _assemble(self.mine, self.metas, self.train, self.buffers)
 
 
-def receive_shards(pg, plan: list[Transfer], receiver: int, metas: dict[int, list[ShardMeta]],
-                   train: ParallelLayout, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], int]:
-    """This rollout rank's generation shard {global name: tensor} and the payload bytes received."""
-    mine = [t for t in plan if t.receiver == receiver]
-    buffers, works = {}, []
-    for transfer in mine:
-        numel = sum(m.numel for m in _message_metas(metas[transfer.sender], transfer.replicated))
-        buffers[transfer.sender] = torch.empty(numel, dtype=dtype)
-        works.append(pg.recv([buffers[transfer.sender]], transfer.sender, transfer.sender))
-    for work in works:
-        work.wait()
+def _assemble(mine: list[Transfer], metas: dict[int, list[ShardMeta]], train: ParallelLayout,
+              buffers: dict[int, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """{global name: generation shard} from the received buffers, and the payload bytes."""
     pieces: dict[int, dict[str, torch.Tensor]] = {}
     received = 0
     for transfer in mine:

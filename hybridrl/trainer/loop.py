@@ -2,7 +2,8 @@
 
 One step, for every algorithm, is five named stages (RLTrainer.train_step):
   _rollout     prompts -> actor.generate_many (hybrid engine transition + rollout) [+ greedy baseline], or
-               multi-turn episodes with rollout.env (rollout/multiturn.py)
+               multi-turn episodes with rollout.env (rollout/multiturn.py), or the rollout pool's replicas
+               (rollout.pool apart from the actor's; trainer.mode sync / one_step_off / async: async_rollout.py)
   _score       rewards (the episodes', rule function or reward model) [+ costs]; overlong shaping, dynamic sampling
   _evaluate    reference log-probs, old log-probs (skipped when the update is exactly on-policy), values
   _advantages  the algorithm's registered estimator (algorithms/catalog/), KL as a reward penalty or a loss
@@ -94,6 +95,7 @@ class RLTrainer:
         self.roles: dict[str, Any] = {}
         self.timer = StageTimer()
         self.episodes = self._episode_runner() if cfg.rollout.env else None
+        self.rollouts = None  # RolloutQueue when generation has a pool of its own
 
     def _episode_runner(self) -> Any:
         from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
@@ -164,9 +166,44 @@ class RLTrainer:
                                                call_timeout_s=timeout)
             elif fn:
                 self.roles[role] = RewardModel(fn=fn, num_workers=cfg.reward.num_workers)
+        if "rollout" in plan.roles:
+            self._start_rollout_pool()
+
+    def _start_rollout_pool(self) -> None:
+        """Generation replicas on rollout.pool, fed shard to shard by the actor, and the queue ahead of training."""
+        from hybridrl.api import RolloutReplicas
+        from hybridrl.trainer.async_rollout import RolloutQueue
+
+        cfg, plan = self.cfg, self.plan
+        self.roles["rollout"] = RolloutReplicas(self.roles["actor"], self.pools[plan.roles["rollout"].pool],
+                                                tp=cfg.rollout.tp, max_batch_size=cfg.rollout.max_batch_size,
+                                                seed=cfg.trainer.seed, call_timeout_s=cfg.trainer.call_timeout_s)
+        greedy = plan.algorithm.needs_greedy_baseline
+        self.rollouts = RolloutQueue(self.roles["rollout"], self.loader, plan.rollout_ahead,
+                                     cfg.algorithm.max_staleness,
+                                     lambda seed: [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if greedy else []),
+                                     self._step_seed)
+
+    def _restart_rollout_pool(self) -> None:
+        """New replicas on a fresh rollout pool, the actor's current weights sent to them; the trainer's state (the
+        actor, the optimizer, the step) is untouched; the batches in flight are drawn again."""
+        from hybridrl.controller import ResourcePool
+
+        name = self.plan.roles["rollout"].pool
+        state = self.rollouts.loader_state()
+        try:
+            self.roles.pop("rollout").close()
+        except Exception:  # noqa: BLE001 - its processes are dead or dying
+            logger.debug("closing the dead rollout pool failed", exc_info=True)
+        self.pools[name].shutdown()
+        self.pools[name] = ResourcePool(devices=self.plan.pools[name], nodes=self.cfg.resources.nodes, name=name)
+        self.loader.load_state_dict(state)
+        self._start_rollout_pool()
+        self.roles["rollout"].sync()  # the actor's weights now, not the model folder's
 
     def close(self) -> None:
-        for role in self.roles.values():
+        # the rollout replicas first: they may wait on the actor's weights, never the other way round
+        for role in sorted(self.roles.values(), key=lambda r: r is not self.roles.get("rollout")):
             try:
                 role.close()
             except Exception:  # noqa: BLE001 - closing after a failure must not hide it
@@ -188,22 +225,33 @@ class RLTrainer:
         self._evaluate(step)
         self._advantages(step)
         self._update(step)
-        return self._metrics(step)
+        metrics = self._metrics(step)
+        if self.rollouts is not None and self.step < self.cfg.trainer.steps:  # before the replicas' next batch
+            metrics.update(self.rollouts.after_update())
+        return metrics
 
     # ---- the stages --------------------------------------------------------------------------------------
     def _rollout(self) -> StepData:
         """Sample rollout.n responses per prompt (and ReMax's greedy baseline) with the current policy."""
         cfg, spec, timer = self.cfg, self.plan.algorithm, self.timer
+        if self.rollouts is not None:
+            with self.timer("generation"):  # the trainer's wait: the replicas work ahead of it
+                prompts, seed, (out, *rest), metrics = self.rollouts.next(self.step)
+            return StepData(groups=len(prompts), seed=seed, out=out, greedy=rest[0] if rest else None,
+                            metrics=metrics)
         prompts = self.loader.next_batch()
-        seed = cfg.trainer.seed * 100_003 + self.step
+        seed = self._step_seed(self.step)
         # ReMax's greedy baseline shares the sampled responses' transition
         settings = [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if spec.needs_greedy_baseline else [])
         out, *rest = self._sample(prompts, settings)
         return StepData(groups=len(prompts), seed=seed, out=out, greedy=rest[0] if rest else None)
 
+    def _step_seed(self, step: int) -> int:
+        return self.cfg.trainer.seed * 100_003 + step
+
     def _sample(self, prompts: Any, settings: list[dict]) -> list[Any]:
         """One Rollout per sampling setting: single responses, or episodes with rollout.env."""
-        actor, timer = self.roles["actor"], self.timer
+        actor, timer = self.roles.get("rollout", self.roles["actor"]), self.timer
         with timer("generation"):
             outs = actor.generate_many(prompts, settings) if self.episodes is None else \
                 self.episodes.run(actor, prompts, settings)
@@ -223,7 +271,8 @@ class RLTrainer:
             step.costs = self._scores_of("cost", step.out) if spec.needs_cost_model else None
         if not self._finite_scores(step.scores, step.baseline, step.costs):
             return False
-        step.out, step.scores, step.metrics = self._shape_and_filter(step.out, step.scores, step.seed)
+        step.out, step.scores, shaping = self._shape_and_filter(step.out, step.scores, step.seed)
+        step.metrics.update(shaping)
         return True
 
     def _evaluate(self, step: StepData) -> None:
@@ -371,7 +420,8 @@ class RLTrainer:
     # ---- checkpoints ---------------------------------------------------------------------------------
     def driver_state(self) -> dict[str, Any]:
         """Everything on the driver that the next steps depend on."""
-        return {"step": self.step, "algorithm": self.cfg.algorithm.name, "loader": self.loader.state_dict(),
+        loader = self.rollouts.loader_state() if self.rollouts is not None else self.loader.state_dict()
+        return {"step": self.step, "algorithm": self.cfg.algorithm.name, "loader": loader,
                 "kl_ctrl": self.kl_ctrl.state_dict(),
                 "lagrange": self.lagrange.state_dict() if self.lagrange is not None else None,
                 "actor_sampling_seed": self.roles["actor"].sampling_seed if "actor" in self.roles else None,
@@ -379,6 +429,8 @@ class RLTrainer:
 
     def load_driver_state(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        if self.rollouts is not None:  # batches in flight were drawn after the saved position: generate them again
+            self.rollouts.discard()
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.lagrange is not None and state.get("lagrange") is not None:
@@ -415,6 +467,8 @@ class RLTrainer:
         for role in TRAINED_ROLES:
             if role in self.roles:
                 self.roles[role].load_checkpoint(str(path / role))
+        if "rollout" in self.roles:  # the replicas hold the model folder's weights: send the checkpoint's
+            self.roles["rollout"].sync()
         self.load_driver_state(state)
         logger.info("resumed from %s at step %d", path, self.step)
 
@@ -474,6 +528,12 @@ class RLTrainer:
             except WorkerDiedError as exc:  # WorkerHungError too: the watchdog stopped a call without progress
                 restarts += 1
                 what = "hung" if isinstance(exc, WorkerHungError) else "died"
+                if restarts <= tr.max_restarts and exc.role == "rollout" and self.rollouts is not None:
+                    logger.warning("rollout pool worker %s during step %d (rank %s: %s); restart %d/%d of the rollout "
+                                   "pool only, from the actor's current weights", what, self.step + 1, exc.rank,
+                                   exc.cause, restarts, tr.max_restarts)
+                    self._restart_rollout_pool()
+                    continue
                 if restarts > tr.max_restarts:
                     raise RestartsExhaustedError(
                         f"a worker {what} at step {self.step + 1} ({exc.role} rank {exc.rank}: {exc.cause}) and "

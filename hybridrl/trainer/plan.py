@@ -46,11 +46,34 @@ class RunPlan:
     loss_agg: str = "token_mean"  # the actor loss's aggregation (algorithm.loss_agg or the algorithm's)
     needs_reference: bool = True
     rollout_engine: str = "native"  # rollout.engine with auto resolved
+    # generation batches in flight ahead of training: 0 sync, 1 one_step_off, algorithm.max_staleness async
+    rollout_ahead: int = 0
 
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _plan_rollout_pool(cfg: Any, plan: RunPlan, pools: dict[str, int], held: dict) -> None:
+    """rollout.pool apart from the actor's: generation replicas there (RolloutReplicas); trainer.mode."""
+    roll, mode = cfg.rollout, cfg.trainer.mode
+    if roll.pool == cfg.actor.pool:
+        _check(mode == "sync", f"trainer.mode={mode} overlaps generation with training: it needs rollout.pool on "
+                               f"devices of its own (resources.pools.<name>=N, rollout.pool=<name>)")
+        return
+    _check(roll.pool in pools, f"rollout.pool={roll.pool!r} is not a pool; define resources.pools.{roll.pool}=<devices>")
+    _check(roll.pool not in held, f"rollout.pool={roll.pool!r} also holds {held.get(roll.pool, ('',))[0]}: generation "
+                                  f"replicas need a pool of their own (or rollout.pool=actor.pool: colocated)")
+    devices = pools[roll.pool]
+    _check(devices % roll.tp == 0, f"rollout.pool {roll.pool!r} has {devices} devices: not a multiple of "
+                                   f"rollout.tp={roll.tp}")
+    _check(not roll.env, "rollout.env (multi-turn episodes) runs on the actor's pool for now: unset rollout.pool")
+    _check(plan.rollout_engine == "native", "rollout.engine=vllm on a pool of its own is not supported yet; "
+                                            "use rollout.engine=native there (or colocate: rollout.pool=actor.pool)")
+    plan.roles["rollout"] = RolePlan("rollout", roll.pool, ParallelLayout(tp=roll.tp, dp=devices // roll.tp),
+                                     plan.roles["actor"].model_path)
+    plan.rollout_ahead = {"sync": 0, "one_step_off": 1, "async": cfg.algorithm.max_staleness}[mode]
 
 
 def _episode_tokens(roll: Any) -> int:
@@ -278,6 +301,7 @@ def plan_run(cfg: Any) -> RunPlan:
 
     actor = plan.roles["actor"].layout
     plan.rollout_engine = _rollout_engine(roll.engine, plan.roles["actor"].model_path)
+    _plan_rollout_pool(cfg, plan, pools, held)
     _check(actor.tp % roll.tp == 0 and roll.tp <= actor.tp,
            f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.tp} (a generation shard is regrouped from "
            f"whole training shards); choose rollout.tp in {[d for d in range(1, actor.tp + 1) if actor.tp % d == 0]}")

@@ -183,17 +183,23 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     def bridge_open(self, host: str, port: int, size: int, timeout_s: float) -> None:
         from hybridrl.hybrid_engine.bridge import open_bridge
 
+        self._sends = None  # messages to a previous rollout pool (dead, when it is replaced) are abandoned
         self._bridge = open_bridge(host, port, self.rank, size, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL)
     def bridge_send(self, plan: list) -> int:
-        """Send this rank's shards to the rollout ranks that need them; returns the payload bytes."""
+        """Start sending this rank's shards to the rollout ranks that need them (packed copies: training may go
+        on at once; the previous sync's messages are waited for first); returns the payload bytes."""
         from hybridrl.hybrid_engine.bridge import ShardMeta, send_shards
         from hybridrl.hybrid_engine.megatron_adapter import training_params
 
+        if getattr(self, "_sends", None) is not None:
+            self._sends.wait()
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
         metas = [ShardMeta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in params]
-        return send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas)
+        self._sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
+                                        self.world_size)
+        return sent
 
     # ---- training layout ---------------------------------------------------------------------------------
     @register(Dispatch.DP_COMPUTE)

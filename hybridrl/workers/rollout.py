@@ -37,6 +37,9 @@ class RolloutWorker(Worker):
                                            max_model_len=self.spec.max_model_len, pad_token_id=self.spec.pad_token_id,
                                            **options)
         self.version = 0  # policy versions received
+        self._incoming = None  # posted receives of the next version
+        self.last_sync: dict = {}
+        self._idle_since = time.perf_counter()  # generation idle: between the end of a call and the next
 
     @register(Dispatch.ONE_TO_ALL)
     def bridge_open(self, host: str, port: int, size: int, offset: int, timeout_s: float) -> None:
@@ -45,44 +48,62 @@ class RolloutWorker(Worker):
         self._bridge = open_bridge(host, port, offset + self.rank, size, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL)
-    def bridge_receive(self, plan: list, metas: dict, train_layout: Any) -> dict:
-        """This rank's generation shard from the training ranks, copied into the model in place."""
-        from hybridrl.hybrid_engine.megatron_adapter import load_generation_weights
+    def bridge_receive(self, plan: list, metas: dict, train_layout: Any) -> None:
+        """Post the receives of the next weights; they are applied before the next generation (a generation
+        in progress is never switched to new weights half-way)."""
+        from hybridrl.hybrid_engine.bridge import PendingReceive
 
-        from hybridrl.hybrid_engine.bridge import receive_shards
-
-        start = time.perf_counter()
-        tensors, received = receive_shards(self._bridge, plan, self.rank, metas, train_layout, self.dtype)
-        load_generation_weights(self.model, tensors)
-        if self.spec.engine == "native":
-            self.engine.load_weights(None)
-        else:
-            from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
-
-            self.engine.load_weights(iter_full_hf_tensors(self.model, self.hf_config))
-        self.version += 1
-        expected = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"received_bytes": received, "shard_bytes": expected, "seconds": time.perf_counter() - start,
-                "version": self.version}
+        if self._incoming is not None:
+            self._apply()
+        self._incoming = PendingReceive(plan, self.rank, metas, train_layout, self._bridge, self.dtype)
 
     @register(Dispatch.ONE_TO_ALL)
-    def generate_sequences(self, prompts: Batch, sampling: dict) -> tuple[int, Batch] | None:
-        """This replica's share of the prompts; (replica, Batch) on its TP rank 0, None elsewhere."""
+    def bridge_stats(self) -> dict:
+        """The last applied sync: bytes received and this rank's generation shard bytes, seconds, version."""
+        if self._incoming is not None:
+            self._apply()
+        return dict(self.last_sync)
+
+    def _apply(self) -> None:
+        from hybridrl.hybrid_engine.megatron_adapter import load_generation_weights
+
+        start = time.perf_counter()
+        tensors, received = self._incoming.assemble()
+        self._incoming = None
+        load_generation_weights(self.model, tensors)
+        self.engine.load_weights(None)  # the native engine reads the model's parameters: drop the KV cache
+        self.version += 1
+        self.last_sync = {"received_bytes": received, "seconds": time.perf_counter() - start, "version": self.version,
+                          "shard_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def generate_sequences(self, prompts: Batch, sampling: list[dict]) -> tuple[int, list[Batch]] | None:
+        """This replica's share of the prompts for each sampling setting, with the newest weights received;
+        (replica, [Batch per setting]) on its TP rank 0, None elsewhere. Each Batch's meta: the policy version
+        it was generated with and the seconds this rank sat idle before the call."""
         from hybridrl.rollout import SamplingParams
 
+        idle_s = time.perf_counter() - self._idle_since
+        if self._incoming is not None:
+            self._apply()
         coords = self.layout.coords(self.rank)
         share = prompts.chunk(self.layout.dp)[coords.dp]
-        if not len(share):
-            return None
-        sampling = dict(sampling)
-        stops = tuple(sampling.pop("stop_token_ids", ()) or ()) or self.spec.stop_token_ids
-        seed = sampling.pop("seed", None)
+        outs = []
         self.engine.wake()
         try:
-            with torch.no_grad():
-                out = self.engine.generate(share, SamplingParams(**sampling, stop_token_ids=stops,
-                                                                 seed=None if seed is None else int(seed) + coords.dp))
+            for setting in sampling if len(share) else []:
+                setting = dict(setting)
+                stops = tuple(setting.pop("stop_token_ids", ()) or ()) or self.spec.stop_token_ids
+                seed = setting.pop("seed", None)
+                params = SamplingParams(**setting, stop_token_ids=stops,
+                                        seed=None if seed is None else int(seed) + coords.dp)
+                with torch.no_grad():
+                    outs.append(self.engine.generate(share, params))
         finally:
             self.engine.release()
-        out.meta["policy_version"] = self.version
-        return (coords.dp, out) if coords.tp == 0 else None
+            self._idle_since = time.perf_counter()
+        if not outs or coords.tp != 0:
+            return None
+        for out in outs:
+            out.meta.update(policy_version=self.version, idle_s=idle_s)
+        return coords.dp, outs
