@@ -347,9 +347,15 @@ class RolloutReplicas(_Role):
         """Send the actor's current weights to every replica. The training ranks pack copies and return (training
         may go on at once); the replicas take the new weights before their next generation, after any generation
         already queued. Returns the bytes sent and the version the replicas will hold."""
+        from hybridrl.controller import WorkerError
+
         if self._receiving is not None:
             self._receiving.result()  # the previous sync's receives were posted (their errors surface here)
-        sent = self.actor.group.bridge_send(self.plan)
+        try:
+            sent = self.actor.group.bridge_send(self.plan)
+        except WorkerError:  # the bridge broke: when the replicas are gone that is the cause, say so
+            self.group.alive()
+            raise
         self._receiving = self.group.bridge_receive.remote(self.plan, self.metas, self.actor.layout)
         self.version += 1
         return {"sent_bytes": float(sum(sent)), "version": float(self.version)}

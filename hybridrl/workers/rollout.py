@@ -58,6 +58,10 @@ class RolloutWorker(Worker):
         self._incoming = PendingReceive(plan, self.rank, metas, train_layout, self._bridge, self.dtype)
 
     @register(Dispatch.ONE_TO_ALL)
+    def alive(self) -> bool:
+        return True
+
+    @register(Dispatch.ONE_TO_ALL)
     def bridge_stats(self) -> dict:
         """The last applied sync: bytes received and this rank's generation shard bytes, seconds, version."""
         if self._incoming is not None:
