@@ -341,22 +341,23 @@ class RolloutReplicas(_Role):
         wait_all([actor.group.bridge_open.remote(host, port, size, bridge_timeout_s),
                   self.group.bridge_open.remote(host, port, size, train_ranks, bridge_timeout_s)])
         self.version = 0  # syncs sent; the replicas start from the model folder's weights (= the actor's)
-        self._receiving = None
+        self._receiving: list = []  # bridge_receive calls queued on the replicas
 
-    def sync(self) -> dict[str, float]:
+    def sync(self, in_flight: int = 1) -> dict[str, float]:
         """Send the actor's current weights to every replica. The training ranks pack copies and return (training
-        may go on at once); the replicas take the new weights before their next generation, after any generation
-        already queued. Returns the bytes sent and the version the replicas will hold."""
+        may go on at once; `in_flight` syncs may be on their way before the oldest is waited for); the replicas
+        take the new weights before their next generation, after any generation already queued. Returns the
+        bytes sent and the version the replicas will hold."""
         from hybridrl.controller import WorkerError
 
-        if self._receiving is not None:
-            self._receiving.result()  # the previous sync's receives were posted (their errors surface here)
+        while self._receiving and self._receiving[0].done():
+            self._receiving.pop(0).result()  # earlier syncs' receives were posted (their errors surface here)
         try:
-            sent = self.actor.group.bridge_send(self.plan)
+            sent = self.actor.group.bridge_send(self.plan, in_flight)
         except WorkerError:  # the bridge broke: when the replicas are gone that is the cause, say so
             self.group.alive()
             raise
-        self._receiving = self.group.bridge_receive.remote(self.plan, self.metas, self.actor.layout)
+        self._receiving.append(self.group.bridge_receive.remote(self.plan, self.metas, self.actor.layout))
         self.version += 1
         return {"sent_bytes": float(sum(sent)), "version": float(self.version)}
 

@@ -86,7 +86,7 @@ class RolloutQueue:
 
         start = time.perf_counter()
         try:
-            self.replicas.sync()
+            self.replicas.sync(in_flight=self.ahead)
         except WorkerDiedError as exc:  # the step itself is done: raise with the next batch
             self.broken = exc
         return {"time/weight_sync": time.perf_counter() - start}

@@ -183,22 +183,24 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     def bridge_open(self, host: str, port: int, size: int, timeout_s: float) -> None:
         from hybridrl.hybrid_engine.bridge import open_bridge
 
-        self._sends = None  # messages to a previous rollout pool (dead, when it is replaced) are abandoned
+        self._sends = []  # messages to a previous rollout pool (dead, when it is replaced) are abandoned
         self._bridge = open_bridge(host, port, self.rank, size, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL)
-    def bridge_send(self, plan: list) -> int:
-        """Start sending this rank's shards to the rollout ranks that need them (packed copies: training may go
-        on at once; the previous sync's messages are waited for first); returns the payload bytes."""
+    def bridge_send(self, plan: list, in_flight: int = 1) -> int:
+        """Start sending this rank's shards to the rollout ranks that need them (packed copies: training goes on
+        at once); at most `in_flight` syncs' copies are held, the oldest waited for beyond that (the replicas take
+        a sync only after the generations queued before it). Returns the payload bytes."""
         from hybridrl.hybrid_engine.bridge import ShardMeta, send_shards
         from hybridrl.hybrid_engine.megatron_adapter import training_params
 
-        if getattr(self, "_sends", None) is not None:
-            self._sends.wait()
+        while len(self._sends) >= max(1, in_flight):
+            self._sends.pop(0).wait()
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
         metas = [ShardMeta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in params]
-        self._sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
-                                        self.world_size)
+        sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
+                                  self.world_size)
+        self._sends.append(sends)
         return sent
 
     # ---- training layout ---------------------------------------------------------------------------------
