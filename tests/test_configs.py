@@ -124,9 +124,10 @@ def test_unknown_key_is_refused(tmp_path):
 def test_tiny_config_plans_on_two_cpu_devices(path: Path):
     cfg = load_config(path)
     plan = plan_run(cfg)
-    algorithm = path.name.removesuffix("_tiny.yaml").removesuffix("_multiturn")  # grpo_multiturn: grpo, episodes
+    # grpo_multiturn: grpo on episodes; remax_async: remax with generation on a pool of its own
+    algorithm = path.name.removesuffix("_tiny.yaml").removesuffix("_multiturn").removesuffix("_async")
     assert cfg.algorithm.name == algorithm and plan.algorithm.name == algorithm
-    assert plan.pools == {"default": 2}
+    assert plan.pools["default"] == 2 and set(plan.pools) <= {"default", "gen"}
     actor = plan.roles["actor"].layout
     assert (actor.tp, actor.pp) in ((2, 1), (1, 2)), "each tiny config exercises TP=2 or PP=2"
     assert cfg.rollout.tp == 1  # generation at TP=1: every step goes through the hybrid engine's regrouping
