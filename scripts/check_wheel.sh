@@ -19,7 +19,9 @@ WHEEL=$(ls "$WORK"/dist/hybridrl-*.whl)
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 need = ["hybridrl/_bundled/configs/remax_tiny.yaml", "hybridrl/_bundled/configs/ppo_tiny.yaml",
-        "hybridrl/_bundled/configs/gpu/remax_llama2_7b_8gpu.yaml", "hybridrl/_bundled/launch/slurm/hybridrl.sbatch",
+        "hybridrl/_bundled/configs/gpu/remax_llama2_7b_8gpu.yaml",
+        "hybridrl/_bundled/configs/gpu/tools/grpo_qwen2_5_7b_python_8gpu.yaml",
+        "hybridrl/_bundled/configs/remax_async_tiny.yaml", "hybridrl/_bundled/launch/slurm/hybridrl.sbatch",
         "hybridrl/_bundled/launch/ray/start_head.sh", "hybridrl/assets/tokenizer/tokenizer.json",
         "hybridrl/bundled.py", "hybridrl/launch/submit_cli.py"]
 missing = [n for n in need if n not in names]
