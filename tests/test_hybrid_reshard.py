@@ -264,7 +264,7 @@ def test_small_transfers_share_packed_collectives():
     from collections import Counter
 
     from hybridrl.hybrid_engine.inplace import InPlaceSchedule
-    from hybridrl.hybrid_engine.reshard import _Meta
+    from hybridrl.hybrid_engine.reshard import ShardMeta
     from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
     from hybridrl.parallel.layout import ParallelLayout
 
@@ -278,7 +278,7 @@ def test_small_transfers_share_packed_collectives():
                 shape = list(s.shape)
                 if s.partition_dim is not None:
                     shape[s.partition_dim] //= 2
-                metas.append(_Meta(s.name, tuple(shape), s.partition_dim, s.regroup))
+                metas.append(ShardMeta(s.name, tuple(shape), s.partition_dim, s.regroup))
         member_meta.append(((c.pp, c.tp, c.dp), metas))
     bucket = 1 << 20
     schedule = InPlaceSchedule(groups, member_meta, None, bucket)
@@ -314,7 +314,7 @@ def test_in_place_schedule_pairs_merged_stages(prefix):
     """(2,2,1) -> (1,1): layer j of both merged stages is one all-gather over the 4 members (no padding);
     only what one stage or one TP rank holds (embedding, output layer, norms) goes by broadcast."""
     from hybridrl.hybrid_engine.inplace import InPlaceSchedule
-    from hybridrl.hybrid_engine.reshard import _Meta
+    from hybridrl.hybrid_engine.reshard import ShardMeta
     from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
     from hybridrl.parallel.layout import ParallelLayout
 
@@ -329,7 +329,7 @@ def test_in_place_schedule_pairs_merged_stages(prefix):
             shape = list(s.shape)
             if s.partition_dim is not None:
                 shape[s.partition_dim] //= 2
-            metas.append(_Meta(s.name.replace("decoder.layers.", prefix), tuple(shape), s.partition_dim, s.regroup))
+            metas.append(ShardMeta(s.name.replace("decoder.layers.", prefix), tuple(shape), s.partition_dim, s.regroup))
         member_meta.append(((c.pp, c.tp, c.dp), metas))
     ops = InPlaceSchedule(groups, member_meta, None, 1 << 20).transfers
     gathers = [op for op in ops if op.kind == "gather"]

@@ -17,20 +17,8 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.hybrid_engine.plan import ParamSpec, generation_shard_from_training
+from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.parallel.layout import ParallelLayout
-
-
-@dataclass(frozen=True)
-class ShardMeta:
-    """A training shard as the receiver needs to know it (no data)."""
-    name: str
-    shape: tuple[int, ...]
-    partition_dim: int | None
-    regroup: str
-
-    @property
-    def numel(self) -> int:
-        return int(torch.Size(self.shape).numel())
 
 
 @dataclass(frozen=True)

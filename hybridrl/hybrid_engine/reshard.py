@@ -69,11 +69,20 @@ class ShardedParam:
 
 
 @dataclass(frozen=True)
-class _Meta:
+class ShardMeta:
+    """A training shard as another rank needs to know it (no data): to size a buffer and regroup it."""
     name: str
     shape: tuple[int, ...]
     partition_dim: int | None
     regroup: str
+
+    @classmethod
+    def of(cls, param: ShardedParam) -> "ShardMeta":
+        return cls(param.name, tuple(param.tensor.shape), param.partition_dim, param.regroup)
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
 
 
 @dataclass
@@ -144,10 +153,10 @@ class Resharder:
         self.contributed = [p for p in params if p.partition_dim is not None or owner]
         shared = params if strategy == "hybrid" else self.contributed
         meta = ((self.coords.pp, self.coords.tp, self.coords.dp),
-                [_Meta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in shared])
+                [ShardMeta.of(p) for p in shared])
         gathered: list = [None] * len(self.members)
         dist.all_gather_object(gathered, meta, group=self.group)
-        self.member_meta = gathered  # [(pp, tp, dp), [_Meta...]] per member, in group order
+        self.member_meta = gathered  # [(pp, tp, dp), [ShardMeta...]] per member, in group order
         self.last_stats = ReshardStats()
         self._buffer: torch.Tensor | None = None
         self._views: dict[str, torch.Tensor] | None = None
@@ -355,8 +364,8 @@ class Resharder:
 
     # ---- packing ---------------------------------------------------------------------------------
     @staticmethod
-    def _numel(metas: list[_Meta]) -> int:
-        return sum(int(torch.Size(m.shape).numel()) for m in metas)
+    def _numel(metas: list[ShardMeta]) -> int:
+        return sum(m.numel for m in metas)
 
     def _slot_numel(self) -> int:
         if self.strategy == "ds_chat":  # ZeRO-3 style: each MP contribution split evenly over the DP ranks
@@ -432,10 +441,10 @@ class Resharder:
                     out[meta.name] = training_shard_from_generation(full, spec, g.gen.tp, shard.gen_tp)
         return out
 
-    def _stage_metas(self, stage: int) -> list[_Meta]:
+    def _stage_metas(self, stage: int) -> list[ShardMeta]:
         """Every parameter of a training stage (partitioned ones from any TP rank, replicated from the owner),
         in a stable order."""
-        seen: dict[str, _Meta] = {}
+        seen: dict[str, ShardMeta] = {}
         for (pp, _), metas in sorted(self._metas.items()):
             if pp == stage:
                 for m in metas:

@@ -171,11 +171,11 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def bridge_metas(self) -> dict:
         """What this rank's training shards look like (the receivers size their buffers from it)."""
-        from hybridrl.hybrid_engine.bridge import ShardMeta
+        from hybridrl.hybrid_engine.reshard import ShardMeta
         from hybridrl.hybrid_engine.megatron_adapter import training_params
 
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
-        return {"metas": [ShardMeta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in params],
+        return {"metas": [ShardMeta.of(p) for p in params],
                 "dtype": str(params[0].tensor.dtype).removeprefix("torch."),
                 "padded_vocab_size": self.model.inner.hybridrl_args.padded_vocab_size}
 
@@ -191,13 +191,14 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         """Start sending this rank's shards to the rollout ranks that need them (packed copies: training goes on
         at once); at most `in_flight` syncs' copies are held, the oldest waited for beyond that (the replicas take
         a sync only after the generations queued before it). Returns the payload bytes."""
-        from hybridrl.hybrid_engine.bridge import ShardMeta, send_shards
+        from hybridrl.hybrid_engine.bridge import send_shards
+        from hybridrl.hybrid_engine.reshard import ShardMeta
         from hybridrl.hybrid_engine.megatron_adapter import training_params
 
         while len(self._sends) >= max(1, in_flight):
             self._sends.pop(0).wait()
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
-        metas = [ShardMeta(p.name, tuple(p.tensor.shape), p.partition_dim, p.regroup) for p in params]
+        metas = [ShardMeta.of(p) for p in params]
         sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
                                   self.world_size)
         self._sends.append(sends)
