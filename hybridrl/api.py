@@ -332,7 +332,6 @@ class RolloutReplicas(_Role):
                          {"model": model, "rollout": spec, "padded_vocab_size": per_rank[0]["padded_vocab_size"]},
                          seed, call_timeout_s)
         self.plan = bridge_plan(actor.layout, tp, self.layout.world_size)
-        self.dtype = per_rank[0]["dtype"]
         train_ranks = actor.layout.world_size
         size = train_ranks + self.layout.world_size
         host, port = actor.group.rendezvous_address()

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import ray
-import torch
 
 from hybridrl.config import load_config
 from hybridrl.trainer.loop import RLTrainer

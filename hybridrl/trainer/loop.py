@@ -233,7 +233,7 @@ class RLTrainer:
     # ---- the stages --------------------------------------------------------------------------------------
     def _rollout(self) -> StepData:
         """Sample rollout.n responses per prompt (and ReMax's greedy baseline) with the current policy."""
-        cfg, spec, timer = self.cfg, self.plan.algorithm, self.timer
+        spec = self.plan.algorithm
         if self.rollouts is not None:
             with self.timer("generation"):  # the trainer's wait: the replicas work ahead of it
                 prompts, seed, (out, *rest), metrics = self.rollouts.next(self.step)

@@ -84,7 +84,7 @@ def _check_episodes(cfg: Any) -> None:
     """rollout.env and its options: the environment builds from its arguments; budgets that fit."""
     from hybridrl.envs import env_class
 
-    roll, alg = cfg.rollout, cfg.algorithm
+    roll = cfg.rollout
     if not roll.env:
         _check(not roll.env_kwargs, f"rollout.env_kwargs={dict(roll.env_kwargs)} is set but rollout.env is not; "
                                     f"name the environment or drop its arguments")

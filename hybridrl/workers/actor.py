@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from hybridrl.algorithms import loss_agg
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
@@ -176,7 +174,6 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
 
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
         return {"metas": [ShardMeta.of(p) for p in params],
-                "dtype": str(params[0].tensor.dtype).removeprefix("torch."),
                 "padded_vocab_size": self.model.inner.hybridrl_args.padded_vocab_size}
 
     @register(Dispatch.ONE_TO_ALL)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
