@@ -7,6 +7,8 @@ One run, one local Ray cluster, the tiny ReMax job of configs/remax_async_tiny.y
     sync          generation on its own pool, weights over the bridge, no overlap (trainer.mode=sync)
     one_step_off  the next batch generates while this one trains (staleness 1)
     async         two batches ahead (algorithm.max_staleness=2)
+    one_step_off_partial  one-step-off with rollout.partial: a generation still running when the weights are
+                  sent takes them at once (its sequences resume with them; staleness counted per token)
 
 Per mode (mean over steps 2..N): s/step, the trainer's wait for generation (time/generation), the actor update,
 the weight sync, generation idle time on the rollout pool, staleness. "hidden" is the share of the sync mode's
@@ -34,9 +36,10 @@ MODES = {
     "sync": ["trainer.mode=sync"],
     "one_step_off": ["trainer.mode=one_step_off"],
     "async": ["trainer.mode=async", "algorithm.max_staleness=2"],
+    "one_step_off_partial": ["trainer.mode=one_step_off", "rollout.partial=true"],
 }
 COLUMNS = ["mode", "steps", "s_per_step", "wait_s", "actor_update_s", "weight_sync_s", "generation_idle_s",
-           "staleness_mean", "hidden", "reward_last", "projected_gpu_s_per_step", "projected_speedup"]
+           "staleness_mean", "partial_resumed", "hidden", "reward_last", "projected_gpu_s_per_step", "projected_speedup"]
 
 
 def run_mode(name: str, steps: int) -> list[dict]:
@@ -62,7 +65,7 @@ def summarise(name: str, history: list[dict]) -> dict:
     return {"mode": name, "steps": len(history), "s_per_step": mean("time/step"), "wait_s": mean("time/generation"),
             "actor_update_s": mean("time/actor_update"), "weight_sync_s": mean("time/weight_sync"),
             "generation_idle_s": mean("async/generation_idle_s"), "staleness_mean": mean("async/staleness_mean"),
-            "reward_last": history[-1]["reward_mean"]}
+            "partial_resumed": mean("async/partial_resumed"), "reward_last": history[-1]["reward_mean"]}
 
 
 def main() -> int:
@@ -90,7 +93,7 @@ def main() -> int:
         serial = generation + training + sync["weight_sync_s"]
         for row in rows:
             row["hidden"] = 1.0 - row["wait_s"] / generation if generation > 0 else 0.0
-            overlapped = row["mode"] in ("one_step_off", "async")
+            overlapped = row["mode"] not in ("colocated", "sync")
             row["projected_gpu_s_per_step"] = (max(generation, training) if overlapped else generation + training) \
                 + (row["weight_sync_s"] if row["mode"] != "colocated" else 0.0)
             row["projected_speedup"] = serial / row["projected_gpu_s_per_step"]

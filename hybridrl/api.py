@@ -313,14 +313,19 @@ class Actor(_Role):
 class RolloutReplicas(_Role):
     """Generation replicas on a pool of their own (disaggregated), fed by `actor`'s training ranks shard to
     shard (hybrid_engine/bridge.py). `tp`: the generation TP (dividing the actor's); the pool's devices / tp
-    replicas split the prompts. Call `sync()` after each actor update; `generate_sequences` like the actor's."""
+    replicas split the prompts. Call `sync()` after each actor update; `generate_sequences` like the actor's.
+    `partial=True`: a generation in progress takes each new sync at once, its rows resuming with the new weights
+    (each token's policy version in "policy_versions"); else syncs wait for the generations queued before them."""
 
     def __init__(self, actor: Actor, resource_pool: ResourcePool, tp: int = 1, engine: str = "native",
                  max_batch_size: int = 64, seed: int = 1, call_timeout_s: float | None = 3600.0,
-                 bridge_timeout_s: float = 600.0) -> None:
+                 bridge_timeout_s: float = 600.0, partial: bool = False) -> None:
         from hybridrl.hybrid_engine.bridge import bridge_plan
         from hybridrl.workers.rollout import RolloutWorker
 
+        if partial and engine != "native":
+            raise ValueError(f"RolloutReplicas(partial=True) (rollout.partial=true) interrupts the native engine's "
+                             f"decoding; engine={engine!r} cannot be: use engine='native' or partial=False")
         self.actor = actor
         per_rank = actor.group.bridge_metas()
         self.metas = {rank: info["metas"] for rank, info in enumerate(per_rank)}
@@ -329,8 +334,8 @@ class RolloutReplicas(_Role):
                 "stop_token_ids": actor.engine_spec["stop_token_ids"]}
         model = {"path": actor.model_path, "dtype": actor.dtype}
         super().__init__(RolloutWorker, "rollout", resource_pool, {"tp": tp},
-                         {"model": model, "rollout": spec, "padded_vocab_size": per_rank[0]["padded_vocab_size"]},
-                         seed, call_timeout_s)
+                         {"model": model, "rollout": spec, "padded_vocab_size": per_rank[0]["padded_vocab_size"],
+                          "partial": partial}, seed, call_timeout_s)
         self.plan = bridge_plan(actor.layout, tp, self.layout.world_size)
         train_ranks = actor.layout.world_size
         size = train_ranks + self.layout.world_size
@@ -338,15 +343,16 @@ class RolloutReplicas(_Role):
         from hybridrl.controller import wait_all
 
         wait_all([actor.group.bridge_open.remote(host, port, size, bridge_timeout_s),
-                  self.group.bridge_open.remote(host, port, size, train_ranks, bridge_timeout_s)])
+                  self.group.bridge_open.remote(host, port, size, train_ranks, bridge_timeout_s, self.plan, self.metas,
+                                                actor.layout)])
         self.version = 0  # syncs sent; the replicas start from the model folder's weights (= the actor's)
         self._receiving: list = []  # bridge_receive calls queued on the replicas
 
     def sync(self, in_flight: int = 1) -> dict[str, float]:
         """Send the actor's current weights to every replica. The training ranks pack copies and return (training
         may go on at once; `in_flight` syncs may be on their way before the oldest is waited for); the replicas
-        take the new weights before their next generation, after any generation already queued. Returns the
-        bytes sent and the version the replicas will hold."""
+        take the new weights before their next generation, after any generation already queued (with `partial`:
+        at once, in the middle of a generation). Returns the bytes sent and the version the replicas will hold."""
         from hybridrl.controller import WorkerError
 
         while self._receiving and self._receiving[0].done():
@@ -356,8 +362,8 @@ class RolloutReplicas(_Role):
         except WorkerError:  # the bridge broke: when the replicas are gone that is the cause, say so
             self.group.alive()
             raise
-        self._receiving.append(self.group.bridge_receive.remote(self.plan, self.metas, self.actor.layout))
         self.version += 1
+        self._receiving.append(self.group.bridge_receive.remote(self.version))
         return {"sent_bytes": float(sum(sent)), "version": float(self.version)}
 
     def sync_stats(self) -> dict:

@@ -81,6 +81,9 @@ class RolloutConfig:
     # the pool generation runs on: the actor's (colocated, the 3D-HybridEngine) or one of its own (disaggregated:
     # weights sent shard to shard after each update, hybrid_engine/bridge.py)
     pool: str = "default"
+    # with a pool of its own: a generation in progress takes new weights at once, interrupted sequences resuming
+    # with them (per-token policy versions kept); false: new weights wait for the generations queued before them
+    partial: bool = False
     # multi-turn episodes (rollout/multiturn.py); env None: one prompt -> one response
     env: Optional[str] = None  # a registered environment (charset_turns, tool_answer) or "package.module:Class"
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's constructor arguments

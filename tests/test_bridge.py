@@ -60,3 +60,68 @@ def test_rollout_pool_gets_the_actors_weights_shard_to_shard(ray_four_devices, p
     finally:
         rollout_pool.shutdown()
         actor_pool.shutdown()
+
+
+@pytest.mark.slow
+def test_partial_rollout_resumes_with_the_weights_sent_mid_generation(ray_four_devices):
+    """rollout.partial: a sync sent while a generation runs is taken at once; each row's first tokens come from
+    the weights it started with (version 0), the rest from the new ones (version 1), and every token's rollout
+    log-prob is the one of the policy that sampled it. One replica of t_g=2: its TP ranks switch together."""
+    actor_pool = hybridrl.ResourcePool(devices=2, name="train")
+    rollout_pool = hybridrl.ResourcePool(devices=2, name="gen")
+    try:
+        actor = hybridrl.Actor(parallel={"tp": 2}, rollout={"tp": 2, "max_new_tokens": 8, "n": 2, "max_model_len": 512},
+                               resource_pool=actor_pool, optim={"optimizer": "sgd", "lr": 0.5, "clip_grad": 1e9,
+                                                                "use_distributed_optimizer": False})
+        initial = hybridrl.ReferencePolicy(resource_pool=actor_pool, parallel={"tp": 2})
+        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, tp=2, partial=True)
+        out = actor.generate_sequences(PROMPTS, seed=3)
+        actor.update(actions=out, advantages=torch.randn(len(out), generator=torch.Generator().manual_seed(0)))
+        # long enough that the sync (sent right after) lands while it runs; it starts with version 0 weights
+        pending = replicas.submit(PROMPTS, [{"seed": 7, "max_new_tokens": 400, "ignore_eos": True}])
+        replicas.sync()
+        rollout = pending.result()[0]
+        versions, mask = rollout.sequences["policy_versions"], rollout.mask.bool()
+        assert rollout.sequences.meta["policy_version"] == 0
+        assert mask.sum(-1).eq(400).all()  # every row resumed to its full length
+        for row, real in zip(versions, mask):
+            tokens = row[real]
+            assert tokens[0] == 0 and tokens[-1] == 1 and (tokens.diff() >= 0).all(), tokens.unique_consecutive()
+        new, old = versions.eq(1) & mask, versions.eq(0) & mask
+        sampled = rollout.log_probs
+        assert (actor.compute_log_probs(rollout) - sampled)[new].abs().max() < 1e-4  # the updated policy's
+        assert (initial.get_log_probs(rollout) - sampled)[old].abs().max() < 1e-4  # the initial policy's
+        assert (initial.get_log_probs(rollout) - sampled)[new].abs().max() > 1e-2  # the switch is real
+        assert replicas.sync_stats()["version"] == [1, 1]
+    finally:
+        rollout_pool.shutdown()
+        actor_pool.shutdown()
+
+
+@pytest.mark.slow
+def test_vllm_rollout_pool_generates_with_the_synced_weights(ray_four_devices, head_dim_32_model):
+    """rollout.engine=vllm on a pool of its own: the bridge's shards go into the replica's model, then into vLLM
+    under HF names; after a sync vLLM samples from the updated policy (its log-probs are the actor's)."""
+    actor_pool = hybridrl.ResourcePool(devices=2, name="train")
+    rollout_pool = hybridrl.ResourcePool(devices=1, name="gen")
+    try:
+        actor = hybridrl.Actor(model=head_dim_32_model, parallel={"tp": 2}, resource_pool=actor_pool,
+                               rollout={"tp": 1, "max_new_tokens": 8, "n": 2, "max_model_len": 128},
+                               optim={"optimizer": "sgd", "lr": 0.5, "clip_grad": 1e9,
+                                      "use_distributed_optimizer": False})
+        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, tp=1, engine="vllm")
+        assert replicas.generate_sequences(PROMPTS, greedy=True).texts == \
+            actor.generate_sequences(PROMPTS, greedy=True).texts
+        out = actor.generate_sequences(PROMPTS, seed=3)
+        actor.update(actions=out, advantages=torch.randn(len(out), generator=torch.Generator().manual_seed(0)))
+        stale = replicas.generate_sequences(PROMPTS, seed=7)
+        assert ((actor.compute_log_probs(stale) - stale.log_probs) * stale.mask).abs().max() > 1e-2
+        replicas.sync()
+        sampled = replicas.generate_sequences(PROMPTS, seed=7)
+        assert sampled.sequences.meta["policy_version"] == 1
+        assert ((actor.compute_log_probs(sampled) - sampled.log_probs) * sampled.mask).abs().max() < 1e-4
+        with pytest.raises(ValueError, match="rollout.partial=true"):
+            hybridrl.RolloutReplicas(actor, rollout_pool, tp=1, engine="vllm", partial=True)
+    finally:
+        rollout_pool.shutdown()
+        actor_pool.shutdown()

@@ -47,6 +47,7 @@ def test_default_plan_is_remax_tp2_to_tp1_on_two_devices():
     (["rollout.pool=gen"], "rollout.pool='gen' is not a pool"),
     (["resources.pools={gen: 1}", "rollout.pool=gen", "ref.pool=gen"], "also holds ref"),
     (["resources.pools={gen: 1}", "rollout.pool=gen", "rollout.tp=2", "actor.parallel.tp=2"], "not a multiple of"),
+    (["rollout.partial=true"], "colocated generation always has the newest"),
     (["rollout.env=charset_turns", "rollout.env_kwargs={colour: 1}"], "charset_turns does not take them"),
     (["rollout.env=charset_turns", "rollout.env_kwargs={turns: 0}"], "turns=0 must be >= 1"),
     (["rollout.env=my_pkg_xyz.envs:Game"], "cannot import 'my_pkg_xyz.envs'"),

@@ -4,8 +4,9 @@ The rollout pool's ranks hold a generation-layout model (t_g, p_g = 1; dp replic
 training replica (dp rank 0) sends each rollout rank exactly the training shards its generation shard is made
 of: for generation TP index g, the shards of training TP ranks g*k .. g*k+k-1 (k = t / t_g) of every pipeline
 stage, one packed message per (sender, receiver) pair; replicated tensors (norms) come from the first of those
-only. The transport is a gloo process group spanning both pools (the "bridge": training ranks 0..A-1, rollout
-ranks A..A+B-1), opened once next to each pool's own group. Each receiver assembles its shards exactly as the
+only. The transport is a process group spanning both pools (the "bridge": training ranks 0..A-1, rollout ranks
+A..A+B-1), opened once next to each pool's own group: gloo on CPU, NCCL when the models live on GPUs (NCCL's
+point-to-point calls use one communicator per pair of ranks, so the per-sender order of the plan cannot deadlock). Each receiver assembles its shards exactly as the
 colocated hybrid engine does (plan.generation_shard_from_training) and copies them into its model in place.
 """
 from __future__ import annotations
@@ -46,11 +47,42 @@ def bridge_plan(train: ParallelLayout, gen_tp: int, rollout_ranks: int) -> list[
     return out
 
 
-def open_bridge(host: str, port: int, rank: int, size: int, timeout_s: float = 600.0):
-    """The gloo group spanning both pools (bridge rank 0 hosts the rendezvous store)."""
+@dataclass
+class Bridge:
+    """The gloo group spanning both pools, and a counter of the syncs sent in its rendezvous store: a rollout
+    rank generating a partial rollout reads it between decode steps to learn of new weights at once (its
+    receive calls are queued behind the generation)."""
+
+    pg: object
+    store: object
+    device: torch.device  # where messages are packed and received
+
+    def announce(self) -> None:
+        """One more sync's messages are posted (training bridge rank 0, after its sends)."""
+        self.store.add(_SYNCS_SENT, 1)
+
+    def announced(self) -> int:
+        """Syncs sent so far (a non-blocking read of the counter)."""
+        return int(self.store.add(_SYNCS_SENT, 0))
+
+
+_SYNCS_SENT = "hybridrl-bridge-syncs-sent"
+
+
+def open_bridge(host: str, port: int, rank: int, size: int, timeout_s: float = 600.0,
+                device: torch.device = torch.device("cpu")) -> Bridge:
+    """The bridge between both pools (bridge rank 0 hosts the rendezvous store); `device`: where this rank's
+    model lives (every rank of both pools must be on the same kind)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore("hybridrl-bridge", store), rank, size, timeout)
+    prefixed = dist.PrefixStore("hybridrl-bridge", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    return Bridge(pg, store, device)
 
 
 def _message_metas(metas: list[ShardMeta], replicated: bool) -> list[ShardMeta]:
@@ -70,7 +102,7 @@ class PendingSends:
         self.works, self.buffers = [], []
 
 
-def send_shards(pg, plan: list[Transfer], rank: int, params: dict[str, torch.Tensor], metas: list[ShardMeta],
+def send_shards(bridge: Bridge, plan: list[Transfer], rank: int, params: dict[str, torch.Tensor], metas: list[ShardMeta],
                 receiver_offset: int) -> tuple[PendingSends, int]:
     """Start this training rank's messages (a receiver's bridge rank is receiver_offset + its rank); returns them
     in flight and the payload bytes."""
@@ -79,8 +111,9 @@ def send_shards(pg, plan: list[Transfer], rank: int, params: dict[str, torch.Ten
         if transfer.sender != rank:
             continue
         chosen = _message_metas(metas, transfer.replicated)
-        buffer = torch.cat([params[m.name].detach().reshape(-1) for m in chosen]) if chosen else torch.empty(0)
-        works.append(pg.send([buffer], receiver_offset + transfer.receiver, rank))
+        buffer = (torch.cat([params[m.name].detach().reshape(-1) for m in chosen]) if chosen
+                  else torch.empty(0, device=bridge.device))
+        works.append(bridge.pg.send([buffer], receiver_offset + transfer.receiver, rank))
         buffers.append(buffer)
         sent += buffer.numel() * buffer.element_size()
     return PendingSends(works, buffers), sent
@@ -90,14 +123,14 @@ class PendingReceive:
     """One sync's incoming messages, posted; `assemble()` waits for them and forms the generation shard."""
 
     def __init__(self, plan: list[Transfer], receiver: int, metas: dict[int, list[ShardMeta]],
-                 train: ParallelLayout, pg, dtype: torch.dtype) -> None:
+                 train: ParallelLayout, bridge: Bridge, dtype: torch.dtype) -> None:
         self.mine = [t for t in plan if t.receiver == receiver]
         self.metas, self.train = metas, train
         self.buffers, self.works = {}, []
         for transfer in self.mine:
             numel = sum(m.numel for m in _message_metas(metas[transfer.sender], transfer.replicated))
-            self.buffers[transfer.sender] = torch.empty(numel, dtype=dtype)
-            self.works.append(pg.recv([self.buffers[transfer.sender]], transfer.sender, transfer.sender))
+            self.buffers[transfer.sender] = torch.empty(numel, dtype=dtype, device=bridge.device)
+            self.works.append(bridge.pg.recv([self.buffers[transfer.sender]], transfer.sender, transfer.sender))
 
     def assemble(self) -> tuple[dict[str, torch.Tensor], int]:
         for work in self.works:

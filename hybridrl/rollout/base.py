@@ -10,6 +10,8 @@ the n samples of prompt 0 first, matching `Batch.repeat_interleave(n)`):
   "rollout_log_probs" [B, R]    log-prob of each sampled token under the distribution it was sampled
                                 from (0 on padding); see `sampling.py` for the exact definition
   non-tensor "finish_reasons": "stop" | "length"; meta {"sampling": params as a dict}.
+  "policy_versions"   [B, R]    only from partial rollouts (workers/rollout.py): the policy version that
+                                generated each token (-1 on padding)
 
 A multi-turn episode (rollout/multiturn.py) has the same layout: its "responses" hold every token after the
 first prompt (model turns and the environment's observations, in order); "attention_mask" is 1 on all of
@@ -124,6 +126,7 @@ class GeneratedSequence:
     finish_reason: str  # "stop" | "length"
     extra: dict[str, Any] = field(default_factory=dict)
     model_mask: list[int] | None = None  # per token: 1 generated, 0 context (an observation); None: all 1
+    versions: list[int] | None = None  # per token: the policy version that generated it (partial rollouts)
 
 
 def finish_reason(tokens: Sequence[int], params: SamplingParams) -> str:
@@ -160,6 +163,12 @@ def assemble_batch(sequences: list[GeneratedSequence], params: SamplingParams, p
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,
     }
+    if any(s.versions is not None for s in sequences):
+        versions = torch.full((num, response_len), -1, dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            if seq.tokens:
+                versions[row, :len(seq.tokens)] = torch.tensor(seq.versions, dtype=torch.long)
+        tensors["policy_versions"] = versions
     return Batch(tensors, non_tensors={"finish_reasons": [s.finish_reason for s in sequences]},
                  meta={"sampling": params.to_dict()})
 
@@ -239,6 +248,8 @@ def concat_batches(batches: list[Any], pad_token_id: int) -> Any:
                                                 pad(b["attention_mask"][:, p:], (0, right), value=0)], 1),
                    "response_mask": pad(b["response_mask"], (0, right), value=0),
                    "rollout_log_probs": pad(b["rollout_log_probs"], (0, right), value=0.0)}
+        if "policy_versions" in b.tensors:
+            tensors["policy_versions"] = pad(b["policy_versions"], (0, right), value=-1)
         if set(b.tensors.keys()) != set(tensors):
             raise ValueError(f"concat_batches: unexpected fields {sorted(set(b.tensors.keys()) ^ set(tensors))}")
         padded.append(Batch(tensors, dict(b.non_tensors), meta))

@@ -18,7 +18,7 @@ with no extra communication. Pipeline parallelism at generation (p_g > 1) is not
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 # Decode steps between checks that every row has stopped. The check is a host sync, which stalls a GPU's
 # queue; on CPU it costs nothing while a late check costs whole decode steps.
 _STOP_CHECK_EVERY = {"cuda": 4, "cpu": 1}
+# Decode steps between asking whether a partial rollout is interrupted (new weights arrived); never before the
+# first few tokens, so a generation always makes progress with the weights it started with.
+_INTERRUPT_CHECK_EVERY = 4
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -131,6 +134,17 @@ class NativeRolloutEngine(RolloutEngine):
         prompt_ids = validate_prompts(normalise_prompts(prompts), self.max_model_len, params.max_new_tokens,
                                       self.vocab_size)
         rows = [ids for ids in prompt_ids for _ in range(params.n)]  # prompt-major, like repeat_interleave
+        return assemble_batch(self.generate_rows(rows, params), params, self.pad_token_id)
+
+    @torch.no_grad()
+    def generate_rows(self, rows: list[list[int]], params: SamplingParams,
+                      interrupt: Callable[[], bool] | None = None) -> list[GeneratedSequence]:
+        """One sequence per row (already validated and expanded to params.n rows per prompt).
+
+        `interrupt` (partial rollouts): asked every few decode steps, and on every rank of the generation TP
+        group at the same steps; when it says True, the rows still running end with finish_reason
+        "interrupted" (the rows not started yet too, with no tokens), to be resumed by the caller."""
+        self._check_awake()
         # One uniform per (row, step), fixed up front: rows are reproducible whatever the chunking.
         uniforms = None if params.is_greedy else row_uniforms(self._shared_seed(params.seed), len(rows),
                                                                 params.max_new_tokens, self.device)
@@ -138,20 +152,25 @@ class NativeRolloutEngine(RolloutEngine):
         self.model.eval()
         try:
             sequences: list[GeneratedSequence] = []
+            interrupted = False
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = slice(start, start + self.max_batch_size)
-                sequences.extend(self._generate_chunk(rows[chunk], params,
-                                                      None if uniforms is None else uniforms[chunk]))
+                if interrupted:
+                    sequences.extend(GeneratedSequence(list(ids), [], [], "interrupted") for ids in rows[chunk])
+                    continue
+                done, interrupted = self._generate_chunk(rows[chunk], params,
+                                                         None if uniforms is None else uniforms[chunk], interrupt)
+                sequences.extend(done)
         finally:
             self.model.train(was_training)
-        return assemble_batch(sequences, params, self.pad_token_id)
+        return sequences
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, context) -> torch.Tensor:
         logits = self.model(tokens, positions, mask, inference_context=context, runtime_gather_output=True)
         return logits[:, -1, :self.vocab_size].float()
 
-    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams,
-                        uniforms: torch.Tensor | None) -> list[GeneratedSequence]:
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
+                        interrupt: Callable[[], bool] | None = None) -> tuple[list[GeneratedSequence], bool]:
         batch, dev = len(rows), self.device
         prompt_len = max(len(r) for r in rows)
         total_len = prompt_len + params.max_new_tokens
@@ -172,6 +191,7 @@ class NativeRolloutEngine(RolloutEngine):
         context.sequence_len_offset += prompt_len
 
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        interrupted = False
         log_probs = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=dev)
         num_generated = torch.zeros(batch, dtype=torch.long, device=dev)
         for step in range(params.max_new_tokens):
@@ -190,6 +210,9 @@ class NativeRolloutEngine(RolloutEngine):
             # without stop tokens; rows that stopped meanwhile are masked, so the result is the same
             if stops and step % _STOP_CHECK_EVERY.get(dev.type, 1) == 0 and bool(finished.all()):
                 break
+            if interrupt is not None and step % _INTERRUPT_CHECK_EVERY == _INTERRUPT_CHECK_EVERY - 1 and interrupt():
+                interrupted = True
+                break
             positions[:, pos] = positions[:, pos - 1] + 1
             decode_mask = ~is_real[:, None, None, :pos + 1]  # the new query sees every real key so far
             logits = self._forward(tokens[:, pos:pos + 1], positions[:, pos:pos + 1], decode_mask, context)
@@ -199,7 +222,8 @@ class NativeRolloutEngine(RolloutEngine):
         for i, ids in enumerate(rows):
             count = int(num_generated[i])
             generated = tokens[i, prompt_len:prompt_len + count].tolist()
+            reason = finish_reason(generated, params)
             out.append(GeneratedSequence(prompt=list(ids), tokens=generated,
                                          log_probs=log_probs[i, :count].tolist(),
-                                         finish_reason=finish_reason(generated, params)))
-        return out
+                                         finish_reason="interrupted" if interrupted and reason == "length" else reason))
+        return out, interrupted

@@ -7,7 +7,9 @@
 Requests run on the replicas in submission order and weight syncs queue between them, so a request generates
 with the policy version of the last sync sent before it: its staleness when trained on is the syncs sent since
 (at most `ahead` by construction; a request over `max_staleness`, e.g. after a restart, is dropped and drawn
-again with the current weights, and counted). The importance correction of samples from older weights is the
+again with the current weights, and counted). With rollout.partial a sync is taken by the generation in
+progress: its sequences resume with the new weights, and staleness is counted per token (mean over the
+response tokens; max: the oldest token). The importance correction of samples from older weights is the
 rollout-correction machinery's (algorithm.rollout_correction=tis against the rollout log-probs).
 
 Checkpoints: the data loader's position is the one before the oldest batch not yet trained on, so a resumed run
@@ -62,23 +64,37 @@ class RolloutQueue:
         start = time.perf_counter()
         outs = request.pending.result()
         wait_s = time.perf_counter() - start
-        staleness = self.replicas.version - request.pending.version
+        staleness = self._staleness(outs[0].sequences, request.pending.version)
         dropped = 0
-        while staleness > self.max_staleness:  # e.g. after a restart: too old for the bound; draw it again
+        while staleness["async/staleness_max"] > self.max_staleness:  # e.g. after a restart: draw it again
             dropped += 1
             logger.info("a batch %d policy versions old (algorithm.max_staleness=%d) dropped and regenerated",
-                        staleness, self.max_staleness)
+                        staleness["async/staleness_max"], self.max_staleness)
             request.pending = self.replicas.submit(request.prompts, self.settings_for(request.seed))
             outs = request.pending.result()
-            staleness = self.replicas.version - request.pending.version
+            staleness = self._staleness(outs[0].sequences, request.pending.version)
         self.dropped += dropped
         while len(self.inflight) < self.ahead:
             self._submit(step + 1 + len(self.inflight))
-        metrics = {"async/staleness_mean": float(staleness), "async/staleness_max": float(staleness),
-                   "async/queue_size": float(len(self.inflight)), "async/wait_s": wait_s,
+        metrics = {**staleness, "async/queue_size": float(len(self.inflight)), "async/wait_s": wait_s,
                    "async/generation_idle_s": float(outs[0].sequences.meta.get("generation_idle_s", 0.0)),
                    "async/dropped": float(dropped)}
         return request.prompts, request.seed, outs, metrics
+
+    def _staleness(self, sequences: Any, started: int) -> dict[str, float]:
+        """Policy versions between the weights being trained and those that generated the batch: per token
+        for partial rollouts (mean over the response tokens, max = the oldest), else the version it started with;
+        async/partial_resumed: the share of sequences that switched weights half-way."""
+        now = self.replicas.version
+        versions = sequences.tensors.get("policy_versions", None)
+        mask = sequences["response_mask"].bool()
+        if versions is None or not mask.any():
+            return {"async/staleness_mean": float(now - started), "async/staleness_max": float(now - started)}
+        newest = versions.masked_fill(~mask, -1).max(-1).values
+        oldest = versions.masked_fill(~mask, now + 1).min(-1).values
+        return {"async/staleness_mean": float(now - versions[mask].float().mean()),
+                "async/staleness_max": float(now - versions[mask].min()),
+                "async/partial_resumed": float(((newest > oldest) & mask.any(-1)).float().mean())}
 
     def after_update(self) -> dict[str, float]:
         """Send the updated weights (the replicas take them before the next queued generation)."""

@@ -176,8 +176,10 @@ class RLTrainer:
 
         cfg, plan = self.cfg, self.plan
         self.roles["rollout"] = RolloutReplicas(self.roles["actor"], self.pools[plan.roles["rollout"].pool],
-                                                tp=cfg.rollout.tp, max_batch_size=cfg.rollout.max_batch_size,
-                                                seed=cfg.trainer.seed, call_timeout_s=cfg.trainer.call_timeout_s)
+                                                tp=cfg.rollout.tp, engine=plan.rollout_engine,
+                                                max_batch_size=cfg.rollout.max_batch_size,
+                                                seed=cfg.trainer.seed, call_timeout_s=cfg.trainer.call_timeout_s,
+                                                partial=cfg.rollout.partial)
         greedy = plan.algorithm.needs_greedy_baseline
         self.rollouts = RolloutQueue(self.roles["rollout"], self.loader, plan.rollout_ahead,
                                      cfg.algorithm.max_staleness,

@@ -59,6 +59,9 @@ def _plan_rollout_pool(cfg: Any, plan: RunPlan, pools: dict[str, int], held: dic
     """rollout.pool apart from the actor's: generation replicas there (RolloutReplicas); trainer.mode."""
     roll, mode = cfg.rollout, cfg.trainer.mode
     if roll.pool == cfg.actor.pool:
+        _check(not roll.partial, "rollout.partial=true interrupts generation on a pool of its own when new weights "
+                                 "arrive; colocated generation always has the newest: set rollout.pool=<a pool of "
+                                 "its own> or rollout.partial=false")
         _check(mode == "sync", f"trainer.mode={mode} overlaps generation with training: it needs rollout.pool on "
                                f"devices of its own (resources.pools.<name>=N, rollout.pool=<name>)")
         return
@@ -69,8 +72,9 @@ def _plan_rollout_pool(cfg: Any, plan: RunPlan, pools: dict[str, int], held: dic
     _check(devices % roll.tp == 0, f"rollout.pool {roll.pool!r} has {devices} devices: not a multiple of "
                                    f"rollout.tp={roll.tp}")
     _check(not roll.env, "rollout.env (multi-turn episodes) runs on the actor's pool for now: unset rollout.pool")
-    _check(plan.rollout_engine == "native", "rollout.engine=vllm on a pool of its own is not supported yet; "
-                                            "use rollout.engine=native there (or colocate: rollout.pool=actor.pool)")
+    _check(not (roll.partial and plan.rollout_engine != "native"),
+           f"rollout.partial=true interrupts the native engine's decoding; rollout.engine resolved to "
+           f"{plan.rollout_engine}: set rollout.engine=native or rollout.partial=false")
     plan.roles["rollout"] = RolePlan("rollout", roll.pool, ParallelLayout(tp=roll.tp, dp=devices // roll.tp),
                                      plan.roles["actor"].model_path)
     plan.rollout_ahead = {"sync": 0, "one_step_off": 1, "async": cfg.algorithm.max_staleness}[mode]

@@ -181,7 +181,7 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         from hybridrl.hybrid_engine.bridge import open_bridge
 
         self._sends = []  # messages to a previous rollout pool (dead, when it is replaced) are abandoned
-        self._bridge = open_bridge(host, port, self.rank, size, timeout_s)
+        self._bridge = open_bridge(host, port, self.rank, size, timeout_s, next(self.model.model.parameters()).device)
 
     @register(Dispatch.ONE_TO_ALL)
     def bridge_send(self, plan: list, in_flight: int = 1) -> int:
@@ -199,6 +199,8 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
                                   self.world_size)
         self._sends.append(sends)
+        if self.rank == 0:  # the replicas of a partial rollout take the new weights at once
+            self._bridge.announce()
         return sent
 
     # ---- training layout ---------------------------------------------------------------------------------

@@ -1,12 +1,22 @@
 """A rollout pool of its own (disaggregated generation): generation replicas apart from the actor's training ranks.
 
 Every rank of the pool holds a generation-layout Megatron model (t_g = the pool layout's tp, p_g = 1) and a
-rollout engine on it; the pool's dp replicas split the prompts. New weights come shard to shard from the actor's
-training ranks over the bridge (hybrid_engine/bridge.py); until the first sync the model holds the HF folder's.
+rollout engine on it (native: generates with that model; vLLM: its own copy of the weights, pushed from that
+model after each sync, so the weights are held twice on this pool); the pool's dp replicas split the prompts.
+New weights come shard to shard from the actor's training ranks over the bridge (hybrid_engine/bridge.py); until
+the first sync the model holds the HF folder's.
+
+New weights are taken before the next generation call. With `partial` (rollout.partial) they are also taken
+during one: between decode steps the replica reads the bridge's count of syncs sent; when it grew, the rows
+still running stop, the new weights are received, and the rows resume from where they stopped (prompt +
+tokens so far, prefilled again with the new weights). Each token records the policy version that generated it
+("policy_versions"), each log-prob is the one of the weights that sampled it.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -17,7 +27,7 @@ from hybridrl.workers.actor import RolloutSpec
 
 
 class RolloutWorker(Worker):
-    def __init__(self, model: dict, rollout: dict, padded_vocab_size: int | None = None) -> None:
+    def __init__(self, model: dict, rollout: dict, padded_vocab_size: int | None = None, partial: bool = False) -> None:
         from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
         from hybridrl.rollout import build_rollout_engine
         from hybridrl.workers.megatron_model import DTYPES
@@ -32,30 +42,45 @@ class RolloutWorker(Worker):
         options = dict(self.spec.options)
         if self.spec.engine == "native":
             options.setdefault("max_batch_size", self.spec.max_batch_size)
+        else:  # vLLM runs SPMD over each replica's TP ranks (this pool's process group)
+            options.setdefault("tp_groups", self.layout.tp_groups())
         self.engine = build_rollout_engine({"engine": self.spec.engine, "tp": self.layout.tp}, model=self.model,
                                            model_path=self.path, vocab_size=int(self.hf_config.vocab_size),
                                            max_model_len=self.spec.max_model_len, pad_token_id=self.spec.pad_token_id,
                                            **options)
-        self.version = 0  # policy versions received
-        self._incoming = None  # posted receives of the next version
+        self.partial = partial
+        self.version = 0  # policy versions applied
+        self._posted = 0  # policy versions whose receives are posted
+        self._incoming = None  # posted receives of the newest version, not applied yet
+        self._sent = 0  # syncs sent, as the replica's TP ranks last agreed (partial rollouts)
         self.last_sync: dict = {}
         self._idle_since = time.perf_counter()  # generation idle: between the end of a call and the next
 
     @register(Dispatch.ONE_TO_ALL)
-    def bridge_open(self, host: str, port: int, size: int, offset: int, timeout_s: float) -> None:
+    def bridge_open(self, host: str, port: int, size: int, offset: int, timeout_s: float, plan: list, metas: dict,
+                    train_layout: Any) -> None:
         from hybridrl.hybrid_engine.bridge import open_bridge
 
-        self._bridge = open_bridge(host, port, offset + self.rank, size, timeout_s)
+        self._bridge = open_bridge(host, port, offset + self.rank, size, timeout_s,
+                                   next(self.model.parameters()).device)
+        self._plan, self._metas, self._train_layout = plan, metas, train_layout  # the same messages every sync
 
     @register(Dispatch.ONE_TO_ALL)
-    def bridge_receive(self, plan: list, metas: dict, train_layout: Any) -> None:
-        """Post the receives of the next weights; they are applied before the next generation (a generation
-        in progress is never switched to new weights half-way)."""
+    def bridge_receive(self, version: int) -> None:
+        """Post the receives of the weights up to `version` (nothing when a partial rollout took them already);
+        they are applied before the next generation: a generation in progress without `partial` is never
+        switched to new weights half-way."""
+        self._post_receives(version)
+
+    def _post_receives(self, version: int) -> None:
         from hybridrl.hybrid_engine.bridge import PendingReceive
 
-        if self._incoming is not None:
-            self._apply()
-        self._incoming = PendingReceive(plan, self.rank, metas, train_layout, self._bridge, self.dtype)
+        while self._posted < version:
+            if self._incoming is not None:  # one version's buffers at a time: the older one goes in first
+                self._apply()
+            self._incoming = PendingReceive(self._plan, self.rank, self._metas, self._train_layout, self._bridge,
+                                            self.dtype)
+            self._posted += 1
 
     @register(Dispatch.ONE_TO_ALL)
     def alive(self) -> bool:
@@ -75,16 +100,31 @@ class RolloutWorker(Worker):
         tensors, received = self._incoming.assemble()
         self._incoming = None
         load_generation_weights(self.model, tensors)
-        self.engine.load_weights(None)  # the native engine reads the model's parameters: drop the KV cache
-        self.version += 1
+        if self.spec.engine == "native":
+            self.engine.load_weights(None)  # the native engine reads the model's parameters: drop the KV cache
+        else:  # vLLM holds its own copy under HF names: full tensors, gathered over this replica's TP ranks
+            from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
+
+            self.engine.load_weights(iter_full_hf_tensors(self.model, self.hf_config))
+        self.version = self._posted
         self.last_sync = {"received_bytes": received, "seconds": time.perf_counter() - start, "version": self.version,
                           "shard_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+
+    def _newer_weights_sent(self) -> bool:
+        """Whether syncs newer than this replica's weights were sent (the same answer on every rank of a
+        replica's TP group: they agree on the oldest count any of them read)."""
+        sent = torch.tensor([self._bridge.announced()], dtype=torch.long)
+        group = self.engine.tp_group
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(sent, op=torch.distributed.ReduceOp.MIN, group=group)
+        self._sent = int(sent.item())
+        return self._sent > self.version
 
     @register(Dispatch.ONE_TO_ALL)
     def generate_sequences(self, prompts: Batch, sampling: list[dict]) -> tuple[int, list[Batch]] | None:
         """This replica's share of the prompts for each sampling setting, with the newest weights received;
         (replica, [Batch per setting]) on its TP rank 0, None elsewhere. Each Batch's meta: the policy version
-        it was generated with and the seconds this rank sat idle before the call."""
+        it started with and the seconds this rank sat idle before the call."""
         from hybridrl.rollout import SamplingParams
 
         idle_s = time.perf_counter() - self._idle_since
@@ -92,7 +132,7 @@ class RolloutWorker(Worker):
             self._apply()
         coords = self.layout.coords(self.rank)
         share = prompts.chunk(self.layout.dp)[coords.dp]
-        outs = []
+        outs, versions = [], []
         self.engine.wake()
         try:
             for setting in sampling if len(share) else []:
@@ -101,13 +141,49 @@ class RolloutWorker(Worker):
                 seed = setting.pop("seed", None)
                 params = SamplingParams(**setting, stop_token_ids=stops,
                                         seed=None if seed is None else int(seed) + coords.dp)
+                versions.append(self.version)
                 with torch.no_grad():
-                    outs.append(self.engine.generate(share, params))
+                    outs.append(self._generate_partial(share, params) if self.partial
+                                else self.engine.generate(share, params))
         finally:
             self.engine.release()
             self._idle_since = time.perf_counter()
         if not outs or coords.tp != 0:
             return None
-        for out in outs:
-            out.meta.update(policy_version=self.version, idle_s=idle_s)
+        for out, version in zip(outs, versions):
+            out.meta.update(policy_version=version, idle_s=idle_s)
         return coords.dp, outs
+
+    def _generate_partial(self, share: Batch, params: Any) -> Batch:
+        """Generation that takes new weights as soon as they are sent: interrupted rows resume with them."""
+        from hybridrl.rollout.base import (GeneratedSequence, assemble_batch, normalise_prompts,
+                                           validate_prompts)
+
+        engine = self.engine
+        prompts = validate_prompts(normalise_prompts(share), engine.max_model_len, params.max_new_tokens,
+                                   engine.vocab_size)
+        rows = [GeneratedSequence(ids, [], [], "interrupted", versions=[]) for ids in prompts for _ in range(params.n)]
+        segment = 0
+        while any(row.finish_reason == "interrupted" for row in rows):
+            # rows left with the same token allowance resume together (rows never started have all of it)
+            by_allowance: dict[int, list[GeneratedSequence]] = defaultdict(list)
+            for row in rows:
+                if row.finish_reason == "interrupted":
+                    by_allowance[params.max_new_tokens - len(row.tokens)].append(row)
+            for allowance, members in by_allowance.items():
+                if self._sent > self.version:  # interrupted: the newest weights sent first
+                    self._post_receives(self._sent)
+                    self._apply()
+                # segment 0 draws exactly what engine.generate would; later groups draw streams of their own
+                seed = params.seed if params.seed is None or not segment else \
+                    params.seed + 1_000_003 * segment + allowance
+                resumed = engine.generate_rows([row.prompt + row.tokens for row in members],
+                                               dataclasses.replace(params, max_new_tokens=allowance, seed=seed),
+                                               self._newer_weights_sent)
+                for row, more in zip(members, resumed):
+                    row.tokens += more.tokens
+                    row.log_probs += more.log_probs
+                    row.versions += [self.version] * len(more.tokens)
+                    row.finish_reason = more.finish_reason
+            segment += 1
+        return assemble_batch(rows, params, engine.pad_token_id)
