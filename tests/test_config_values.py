@@ -13,12 +13,12 @@ ROLE_BAD = {  # per model section (actor, ref, critic)
     "parallel.dp": 0, "parallel.sequence_parallel": "maybe", "optim.optimizer": "lion", "optim.lr": -1,
     "optim.weight_decay": -0.1, "optim.betas": "[0.9]", "optim.clip_grad": -1, "optim.warmup_steps": -1,
     "optim.use_distributed_optimizer": "maybe", "micro_batch_size": 0, "max_tokens_per_micro_batch": 0,
-    "pool": "''",
+    "pool": "''", "parallel.ep": 0, "moe.aux_loss_coef": -1, "moe.z_loss_coef": -1,
 }
 SCORER_BAD = {  # per score-model section (reward_model, cost_model)
     "model": "/nonexistent/rm", "dtype": "int8", "pool": "''", "parallel.tp": 0, "parallel.pp": 0,
     "parallel.dp": 0, "parallel.sequence_parallel": "maybe", "micro_batch_size": 0,
-    "max_tokens_per_micro_batch": 0, "tokenizer": "/nonexistent/tok", "chat_template": "maybe",
+    "max_tokens_per_micro_batch": 0, "tokenizer": "/nonexistent/tok", "chat_template": "maybe", "parallel.ep": 0,
 }
 BAD = {
     "algorithm.name": "nope", "algorithm.module": "no_such_module_xyz", "algorithm.gamma": 1.5,
@@ -34,6 +34,7 @@ BAD = {
     "rollout.engine": "sglang", "rollout.tp": 0, "rollout.pp": 2, "rollout.n": 0, "rollout.temperature": -1,
     "rollout.top_p": 1.5, "rollout.top_k": -2, "rollout.max_new_tokens": 0, "rollout.ignore_eos": "maybe",
     "rollout.reshard": "weird", "rollout.bucket_mb": 0, "rollout.max_model_len": 0, "rollout.max_batch_size": 0, "rollout.pool": "''",
+    "rollout.partial": "maybe",
     "rollout.env": "no_such_env", "rollout.env_kwargs": "{turns: 2}", "rollout.max_turns": 0,
     "rollout.max_episode_tokens": 0, "rollout.turn_discount": 1.5,
     "reward.fn": "no_such_module_xyz:score", "reward.cost_fn": "no_such_module_xyz:cost",
