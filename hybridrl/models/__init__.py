@@ -1,4 +1,5 @@
-"""Megatron-Core GPT models from Hugging Face configs, and HF <-> Megatron conversion (Llama, Qwen2).
+"""Megatron-Core GPT models from Hugging Face configs, and HF <-> Megatron conversion (the families of
+families.py: Llama, Qwen2, Qwen3 and the MoE ones).
 
 Public API:
     build_gpt_model(hf_config, head="lm"|"scalar", ...)          -> GPTModel shard for this rank

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from hybridrl.models.config import GPTArgs, gpt_args_from_hf, transformer_config_from_hf
-from hybridrl.models.families import family_for
+from hybridrl.models.families import expert_number, family_for, renumber_expert
 from hybridrl.parallel.distributed import use_cuda
 
 logger = logging.getLogger(__name__)
@@ -66,13 +66,19 @@ def shares_rows() -> bool:
     return not uses_transformer_engine()
 
 
-def layer_spec(config: Any):
-    """TransformerEngine spec on GPU when transformer_engine imports; Megatron's local spec otherwise."""
+def layer_spec(config: Any, pp_rank: int = 0):
+    """TransformerEngine spec on GPU when transformer_engine imports; Megatron's local spec otherwise. With
+    experts, the spec of this pipeline stage's layers (MoE or dense, from config.moe_layer_freq)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if uses_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
+    te = uses_transformer_engine()
+    if config.num_moe_experts:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                                          normalization=config.normalization, pp_rank=pp_rank)
+    if te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
+                                                    qk_layernorm=config.qk_layernorm)
 
 
 def _tp_pp_sizes(pg_collection: Any) -> tuple[int, int, Any]:
@@ -113,7 +119,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     tie = args.tie_embeddings and head == "lm"
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config), vocab_size=args.padded_vocab_size,
+        config=config, transformer_layer_spec=layer_spec(config, pp_rank), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_sequence_length, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=tie, position_embedding_type="rope",
         rotary_base=args.rope.theta, rope_scaling=args.rope.llama3_factor is not None,
@@ -126,6 +132,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     model.hybridrl_args = args
     model.hybridrl_head = head
     model.hybridrl_family = family
+    model.hybridrl_expert_offset = _expert_offset(config, pg_collection)
     logger.debug("built %s GPTModel (%s head) tp=%d pp=%d stage=%d", family.name, head, tp, pp, pp_rank)
     return model
 
@@ -138,12 +145,29 @@ def layer_offset(model: Any) -> int:
     return decoder.layers[0].layer_number - 1
 
 
+def _expert_offset(config: Any, pg_collection: Any) -> int:
+    """Global number of this rank's first local expert (experts are split evenly over the EP group)."""
+    if not config.num_moe_experts:
+        return 0
+    from megatron.core import parallel_state
+
+    ep_group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
+    ep_rank, ep_size = ((ep_group.rank(), ep_group.size()) if ep_group is not None else
+                        (parallel_state.get_expert_model_parallel_rank(),
+                         parallel_state.get_expert_model_parallel_world_size()))
+    return ep_rank * (config.num_moe_experts // ep_size)
+
+
 def global_param_name(model: Any, local_name: str) -> str:
-    """A parameter name of this stage's model with the global layer number (see families.py)."""
+    """A parameter name of this stage's model with the global layer and expert numbers (see families.py)."""
     prefix = "decoder.layers."
     if local_name.startswith(prefix):
         index, rest = local_name[len(prefix):].split(".", 1)
-        return f"{prefix}{int(index) + layer_offset(model)}.{rest}"
+        local_name = f"{prefix}{int(index) + layer_offset(model)}.{rest}"
+        offset = getattr(model, "hybridrl_expert_offset", 0)
+        expert = expert_number(local_name) if offset else None
+        if expert is not None:
+            local_name = renumber_expert(local_name, expert + offset)
     return local_name
 
 

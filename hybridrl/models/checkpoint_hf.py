@@ -16,8 +16,8 @@ import torch
 
 from hybridrl.models.builder import named_global_parameters, unwrap
 from hybridrl.models.config import CheckpointError
-from hybridrl.models.families import (GATE_UP, PLAIN, QKV, VOCAB, ModelDims, ModelFamily, family_for, fuse_qkv,
-                                      is_tied, tp_gather, tp_partition_dim)
+from hybridrl.models.families import (GATE_UP, PLAIN, QKV, VOCAB, ModelDims, ModelFamily, expert_number, family_for,
+                                      fuse_qkv, is_tied, tp_gather, tp_partition_dim)
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,8 @@ def _read_shard(reader: SafetensorsReader, family: ModelFamily, mcore_name: str,
         k = reader.read(rule.hf_names[1], rows=(tp_rank * kv_rows, (tp_rank + 1) * kv_rows))
         v = reader.read(rule.hf_names[2], rows=(tp_rank * kv_rows, (tp_rank + 1) * kv_rows))
         return fuse_qkv(q, k, v, num_query_groups=groups, head_dim=d.head_dim)
-    if rule.kind == GATE_UP:
-        rows = d.ffn_hidden // tp_size
+    if rule.kind == GATE_UP:  # this rank's gate rows then its up rows (dense, expert or shared-expert sizes)
+        rows = param.shape[0] // 2
         window = (tp_rank * rows, (tp_rank + 1) * rows)
         return torch.cat([reader.read(name, rows=window) for name in rule.hf_names], dim=0)
     raise AssertionError(rule.kind)
@@ -221,26 +221,31 @@ def iter_full_hf_tensors(model: Any, hf_config: Any) -> Iterator[tuple[str, torc
 def gather_hf_state_dict(model: Any, hf_config: Any) -> dict[str, torch.Tensor] | None:
     """The whole HF state dict on global rank 0 (None elsewhere); collective over all ranks.
 
-    Only data-parallel replica 0 contributes; each pipeline stage's TP rank 0 sends its tensors to
-    rank 0 over the pipeline group, one stage at a time.
+    Each tensor comes from one place: the dense ones from data-parallel replica 0, each expert from the
+    expert-parallel rank holding it in expert-data-parallel replica 0; TP shards are gathered first, and TP
+    rank 0 of each such group sends its tensors to rank 0.
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    pp_rank, pp_size = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
-    local = [(n, t.cpu().clone()) for n, t in iter_full_hf_tensors(model, hf_config)] if dp_rank == 0 else []
-    if dp_rank != 0 or tp_rank != 0:
+    inner = unwrap(model)
+    tp_group = ps.get_tensor_model_parallel_group()
+    wanted = {False: ps.get_data_parallel_rank() == 0, True: ps.get_expert_data_parallel_rank() == 0}
+    tied = inner.share_embeddings_and_output_weights
+    local: dict[str, torch.Tensor] = {}
+    for name, param in named_global_parameters(inner):
+        if not wanted[expert_number(name) is not None] or (tied and name == "output_layer.weight"):
+            continue
+        full = _gather_tp(name, param, tp_group)  # the same names on every rank of the TP group
+        for hf_name, tensor in inner.hybridrl_family.to_hf(name, full, hf_config, inner.hybridrl_head):
+            local[hf_name] = tensor.cpu().clone()
+    if ps.get_tensor_model_parallel_rank() != 0:
+        local = {}
+    rank = torch.distributed.get_rank()
+    gathered = [None] * torch.distributed.get_world_size() if rank == 0 else None
+    torch.distributed.gather_object(local, gathered, dst=0)
+    if rank != 0:
         return None
-    result: dict[str, torch.Tensor] = dict(local) if pp_rank == 0 else {}
-    ranks = torch.distributed.get_process_group_ranks(pp_group)
-    for stage in range(1, pp_size):
-        box = [local if pp_rank == stage else None]
-        torch.distributed.broadcast_object_list(box, src=ranks[stage], group=pp_group)
-        if pp_rank == 0:
-            result.update(box[0])
-    return result if torch.distributed.get_rank() == 0 else None
+    return {name: tensor for part in gathered for name, tensor in part.items()}
 
 
 def export_hf_config(hf_config: Any, out_dir: Path, dtype: torch.dtype | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Hugging Face config -> Megatron-Core TransformerConfig + GPTModel arguments (Llama, Qwen2)."""
+"""Hugging Face config -> Megatron-Core TransformerConfig + GPTModel arguments (the families of families.py)."""
 from __future__ import annotations
 
 import logging
@@ -82,6 +82,11 @@ def check_supported(hf_config: Any) -> None:
         raise UnsupportedModelError("mlp_bias=True is not supported (Megatron add_bias_linear would add all biases)")
     if getattr(hf_config, "use_sliding_window", False):
         raise UnsupportedModelError("use_sliding_window=True is not supported; set it to false in config.json")
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        raise UnsupportedModelError("router_jitter_noise > 0 (random router noise in training) is not supported; "
+                                    "set it to 0 in config.json")
+    if family.moe is not None and ModelDims.from_hf(hf_config).moe is None:
+        raise UnsupportedModelError(f"a {family.name} config without experts (num_experts=0) is not supported")
     act = getattr(hf_config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act={act!r} is not supported (SwiGLU needs silu)")
@@ -131,6 +136,23 @@ def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, sequ
         cross_entropy_loss_fusion=False,
         use_cpu_initialization=not on_gpu,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+        qk_layernorm=family.qk_norm,
     )
+    if d.moe is not None:
+        kwargs.update(_moe_kwargs(d.moe))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_kwargs(moe: Any) -> dict[str, Any]:
+    """Megatron's MoE settings for the HF router: top-k over softmax(logits), renormalised (Mixtral, Qwen3-MoE
+    with norm_topk_prob) = Megatron's softmax over the top-k logits; not renormalised (Qwen2-MoE) = its
+    pre-softmax router. No load-balancing loss or z-loss unless the caller sets them (they change the loss,
+    never the logits); tokens are exchanged with the all-to-all dispatcher, none dropped."""
+    kwargs = dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn_hidden,
+                  moe_router_pre_softmax=not moe.normalize_topk, moe_token_dispatcher_type="alltoall",
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                  moe_layer_freq=[int(is_moe) for is_moe in moe.layers])
+    if moe.shared_ffn_hidden:
+        kwargs.update(moe_shared_expert_intermediate_size=moe.shared_ffn_hidden, moe_shared_expert_gate=True)
+    return kwargs

@@ -1,4 +1,5 @@
-"""HF <-> Megatron-Core conversion tables, once per model family (Llama, Qwen2).
+"""HF <-> Megatron-Core conversion tables, once per model family (Llama, Qwen2, Qwen3; Qwen2-MoE, Qwen3-MoE,
+Mixtral).
 
 Conventions used everywhere in hybridrl:
 - A *Megatron name* is a parameter name of a Megatron GPTModel with GLOBAL layer numbers (what a
@@ -7,9 +8,13 @@ Conventions used everywhere in hybridrl:
   query group `[q_g0, k_g0, v_g0, q_g1, ...]`, SwiGLU fc1 as `[gate; up]`, vocab rows padded to the
   Megatron (padded) vocab size. `tp_shard` / `tp_gather` convert between a full tensor and TP shards
   (fc1 is the one tensor whose shards are not plain chunks of the full tensor).
+- Mixture-of-experts layers: `{e}` in a name template is the GLOBAL expert number (what an EP=1 model shows
+  as `mlp.experts.local_experts.{e}`); each expert's fc1 is a SwiGLU fc1 like a dense MLP's. HF checkpoints
+  store experts one by one (transformers 5 fuses them in memory only and splits them again on save).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,6 +48,7 @@ class ModelDims:
     ffn_hidden: int
     num_layers: int
     vocab_size: int
+    moe: "MoeDims | None" = None
 
     @property
     def heads_per_group(self) -> int:
@@ -55,7 +61,34 @@ class ModelDims:
         return ModelDims(hidden=hf_config.hidden_size, num_heads=heads,
                          num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
                          head_dim=head_dim, ffn_hidden=hf_config.intermediate_size,
-                         num_layers=hf_config.num_hidden_layers, vocab_size=hf_config.vocab_size)
+                         num_layers=hf_config.num_hidden_layers, vocab_size=hf_config.vocab_size,
+                         moe=MoeDims.from_hf(hf_config))
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    """A mixture-of-experts config: experts, top-k, sizes and which layers have experts."""
+    num_experts: int
+    topk: int
+    ffn_hidden: int  # one expert's intermediate size
+    shared_ffn_hidden: int  # the shared expert's (0: none)
+    layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
+    normalize_topk: bool  # the top-k weights renormalised to sum 1 (else softmax over all experts, then top-k)
+
+    @staticmethod
+    def from_hf(hf_config: Any) -> "MoeDims | None":
+        if getattr(hf_config, "model_type", None) == "mixtral":  # every layer, top-k renormalised
+            return MoeDims(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
+                           0, (True,) * hf_config.num_hidden_layers, True)
+        experts = getattr(hf_config, "num_experts", None) or 0
+        if not experts:
+            return None
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers))
+        return MoeDims(experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                       getattr(hf_config, "shared_expert_intermediate_size", None) or 0, layers,
+                       bool(getattr(hf_config, "norm_topk_prob", False)))
 
 
 # Megatron name template -> (kind, HF name templates). `{i}` is the global layer number. Norm weights
@@ -83,10 +116,45 @@ _LM_HEAD = {"output_layer.weight": (VOCAB, ("lm_head.weight",))}
 # Tied embeddings: the last stage's output layer (PP > 1) holds a copy of the input embedding.
 _TIED_LM_HEAD = {"output_layer.weight": (VOCAB, ("model.embed_tokens.weight",))}
 _SCORE_HEAD = {"output_layer.weight": (PLAIN, ("score.weight",))}  # scalar head: Linear(h, 1), replicated
+_QK_NORM = {"decoder.layers.{i}.self_attention.q_layernorm.weight": (PLAIN, ("model.layers.{i}.self_attn.q_norm.weight",)),
+            "decoder.layers.{i}.self_attention.k_layernorm.weight": (PLAIN, ("model.layers.{i}.self_attn.k_norm.weight",))}
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """HF names of an MoE layer's MLP, after `model.layers.{i}.`; `{e}`: the expert."""
+    router: str
+    gate: str
+    up: str
+    down: str
+    shared: bool = False  # a shared expert beside the routed ones, scaled by sigmoid(shared_expert_gate(x))
+
+    def table(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        layer, experts = "model.layers.{i}.", "decoder.layers.{i}.mlp.experts.local_experts.{e}."
+        table = {"decoder.layers.{i}.mlp.router.weight": (PLAIN, (layer + self.router,)),
+                 experts + "linear_fc1.weight": (GATE_UP, (layer + self.gate, layer + self.up)),
+                 experts + "linear_fc2.weight": (PLAIN, (layer + self.down,))}
+        if self.shared:
+            shared = "decoder.layers.{i}.mlp.shared_experts."
+            table.update({
+                shared + "linear_fc1.weight": (GATE_UP, (layer + "mlp.shared_expert.gate_proj.weight",
+                                                         layer + "mlp.shared_expert.up_proj.weight")),
+                shared + "linear_fc2.weight": (PLAIN, (layer + "mlp.shared_expert.down_proj.weight",)),
+                shared + "gate_weight": (PLAIN, (layer + "mlp.shared_expert_gate.weight",))})
+        return table
+
+
+QWEN_MOE = MoeNames("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                    "mlp.experts.{e}.down_proj.weight")
+MIXTRAL_MOE = MoeNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                       "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
 
 
 def _template_regex(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+    pattern = re.escape(template)
+    for key in ("i", "e"):  # the layer and the expert number
+        pattern = pattern.replace(re.escape("{" + key + "}"), rf"(?P<{key}>\d+)")
+    return re.compile("^" + pattern + "$")
 
 
 @dataclass(frozen=True)
@@ -95,12 +163,18 @@ class ModelFamily:
     causal_lm_architectures: tuple[str, ...]
     seq_cls_architectures: tuple[str, ...]
     qkv_bias: bool
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    moe: MoeNames | None = None  # the HF names of its MoE layers
 
     # ---- the name table ------------------------------------------------------------------------
     def table(self, head: str = "lm", tied: bool = False) -> dict[str, tuple[str, tuple[str, ...]]]:
         table = dict(_DECODER_TABLE)
         if self.qkv_bias:
             table.update(_QKV_BIAS)
+        if self.qk_norm:
+            table.update(_QK_NORM)
+        if self.moe is not None:
+            table.update(self.moe.table())
         if head == "scalar":
             table.update(_SCORE_HEAD)
         else:
@@ -112,8 +186,13 @@ class ModelFamily:
         for template, (kind, hf_templates) in self.table(head, tied).items():
             match = _template_regex(template).match(mcore_name)
             if match:
-                layer = match.groupdict().get("i")
-                return ConversionRule(kind, tuple(t.replace("{i}", layer) if layer else t for t in hf_templates))
+                numbers = {k: v for k, v in match.groupdict().items() if v is not None}
+                names = []
+                for name in hf_templates:
+                    for key, value in numbers.items():
+                        name = name.replace("{" + key + "}", value)
+                    names.append(name)
+                return ConversionRule(kind, tuple(names))
         raise UnsupportedModelError(f"{self.name}: no HF counterpart for Megatron parameter {mcore_name!r}")
 
     def expected_hf_tensors(self, hf_config: Any, head: str = "lm") -> dict[str, tuple[int, ...]]:
@@ -126,9 +205,15 @@ class ModelFamily:
             shapes.update({
                 p + "input_layernorm.weight": (d.hidden,), p + "post_attention_layernorm.weight": (d.hidden,),
                 p + "self_attn.q_proj.weight": (q_rows, d.hidden), p + "self_attn.k_proj.weight": (kv_rows, d.hidden),
-                p + "self_attn.v_proj.weight": (kv_rows, d.hidden), p + "self_attn.o_proj.weight": (d.hidden, q_rows),
-                p + "mlp.gate_proj.weight": (d.ffn_hidden, d.hidden), p + "mlp.up_proj.weight": (d.ffn_hidden, d.hidden),
-                p + "mlp.down_proj.weight": (d.hidden, d.ffn_hidden)})
+                p + "self_attn.v_proj.weight": (kv_rows, d.hidden), p + "self_attn.o_proj.weight": (d.hidden, q_rows)})
+            if d.moe is not None and d.moe.layers[i]:
+                shapes.update(self._expert_shapes(p, d))
+            else:
+                shapes.update({p + "mlp.gate_proj.weight": (d.ffn_hidden, d.hidden),
+                               p + "mlp.up_proj.weight": (d.ffn_hidden, d.hidden),
+                               p + "mlp.down_proj.weight": (d.hidden, d.ffn_hidden)})
+            if self.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (d.head_dim,), p + "self_attn.k_norm.weight": (d.head_dim,)})
             if self.qkv_bias:
                 shapes.update({p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
                                p + "self_attn.v_proj.bias": (kv_rows,)})
@@ -136,6 +221,21 @@ class ModelFamily:
             shapes["score.weight"] = (1, d.hidden)
         elif not getattr(hf_config, "tie_word_embeddings", False):
             shapes["lm_head.weight"] = (d.vocab_size, d.hidden)
+        return shapes
+
+    def _expert_shapes(self, prefix: str, d: ModelDims) -> dict[str, tuple[int, ...]]:
+        moe, names = d.moe, self.moe
+        shapes = {prefix + names.router: (moe.num_experts, d.hidden)}
+        for e in range(moe.num_experts):
+            for template, shape in ((names.gate, (moe.ffn_hidden, d.hidden)), (names.up, (moe.ffn_hidden, d.hidden)),
+                                    (names.down, (d.hidden, moe.ffn_hidden))):
+                shapes[prefix + template.replace("{e}", str(e))] = shape
+        if names.shared:
+            shared = moe.shared_ffn_hidden
+            shapes.update({prefix + "mlp.shared_expert.gate_proj.weight": (shared, d.hidden),
+                           prefix + "mlp.shared_expert.up_proj.weight": (shared, d.hidden),
+                           prefix + "mlp.shared_expert.down_proj.weight": (d.hidden, shared),
+                           prefix + "mlp.shared_expert_gate.weight": (1, d.hidden)})
         return shapes
 
     # ---- full-tensor conversion (used by the hybrid engine and the vLLM weight sync) -------------
@@ -179,7 +279,13 @@ class ModelFamily:
 
 LLAMA = ModelFamily("llama", ("LlamaForCausalLM",), ("LlamaForSequenceClassification",), qkv_bias=False)
 QWEN2 = ModelFamily("qwen2", ("Qwen2ForCausalLM",), ("Qwen2ForSequenceClassification",), qkv_bias=True)
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, QWEN2)}
+QWEN3 = ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("Qwen3ForSequenceClassification",), qkv_bias=False,
+                    qk_norm=True)
+QWEN2_MOE = ModelFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), (), qkv_bias=True,
+                        moe=dataclasses.replace(QWEN_MOE, shared=True))
+QWEN3_MOE = ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), (), qkv_bias=False, qk_norm=True, moe=QWEN_MOE)
+MIXTRAL = ModelFamily("mixtral", ("MixtralForCausalLM",), (), qkv_bias=False, moe=MIXTRAL_MOE)
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MIXTRAL)}
 
 
 def is_tied(hf_config: Any, head: str = "lm") -> bool:
@@ -237,8 +343,23 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, pad], dim=0)
 
 
+_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
+
+
+def expert_number(mcore_name: str) -> int | None:
+    """The expert a Megatron parameter belongs to (None: not an expert's)."""
+    match = _EXPERT.search(mcore_name)
+    return None if match is None else int(match.group(2))
+
+
+def renumber_expert(mcore_name: str, expert: int) -> str:
+    """The same parameter of another expert."""
+    return _EXPERT.sub(lambda m: f"{m.group(1)}{expert}.", mcore_name)
+
+
 def is_gated_fc1(mcore_name: str) -> bool:
-    return mcore_name.endswith("mlp.linear_fc1.weight") or mcore_name.endswith("mlp.linear_fc1.bias")
+    """A SwiGLU fc1 ([gate; up]): a dense MLP's, an expert's or the shared expert's."""
+    return mcore_name.endswith("linear_fc1.weight") or mcore_name.endswith("linear_fc1.bias")
 
 
 def tp_shard(mcore_name: str, full: torch.Tensor, partition_dim: int | None, tp_rank: int,

@@ -41,8 +41,17 @@ def _compute(model_dir: str, input_ids: torch.Tensor, labels: torch.Tensor | Non
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss.backward()
         ref.loss = loss.item()
-        ref.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        ref.grads = _checkpoint_names(model, grads)
     return ref
+
+
+def _checkpoint_names(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors named as in the model's checkpoint files: transformers 5 fuses MoE experts in memory
+    (experts.gate_up_proj [E, 2I, H]) and splits them one by one on save; the same reversal here."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, tensors))
 
 
 def _child(conn, *args) -> None:

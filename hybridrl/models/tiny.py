@@ -1,4 +1,5 @@
-"""Tiny random-weight Hugging Face models (Llama / Qwen2), created locally and deterministically."""
+"""Tiny random-weight Hugging Face models (Llama, Qwen2, Qwen3 and the MoE families), created locally and
+deterministically."""
 from __future__ import annotations
 
 import logging
@@ -9,28 +10,47 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-TINY_FAMILIES = ("llama", "qwen2")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+_CONFIG_CLASSES = {"llama": ("LlamaConfig", "Llama"), "qwen2": ("Qwen2Config", "Qwen2"), "qwen3": ("Qwen3Config", "Qwen3"),
+                   "qwen2_moe": ("Qwen2MoeConfig", "Qwen2Moe"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe"),
+                   "mixtral": ("MixtralConfig", "Mixtral")}
 TINY_HEADS = ("lm", "seq_cls")
 
 
 def tiny_hf_config(family: str = "llama", *, vocab_size: int = 256, hidden: int = 64, layers: int = 4,
                    heads: int = 4, kv_heads: int = 2, ffn_hidden: int | None = None, tie: bool = False,
                    head: str = "lm", rope_theta: float = 10000.0, rope_scaling: dict | None = None,
-                   max_positions: int = 256) -> Any:
+                   max_positions: int = 256, experts: int = 4, topk: int = 2, expert_ffn_hidden: int | None = None,
+                   norm_topk_prob: bool = True, dense_layers: tuple[int, ...] = ()) -> Any:
+    """A small config of `family`. MoE families: `experts` experts of `expert_ffn_hidden` (default hidden),
+    `topk` per token, the layers in `dense_layers` with a dense MLP instead (Qwen MoE), Qwen2-MoE with a
+    shared expert of 2 * hidden."""
     if family not in TINY_FAMILIES:
         raise ValueError(f"family={family!r}; choose one of {TINY_FAMILIES}")
     if head not in TINY_HEADS:
         raise ValueError(f"head={head!r}; choose one of {TINY_HEADS}")
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
-    config_cls, prefix = (LlamaConfig, "Llama") if family == "llama" else (Qwen2Config, "Qwen2")
+    class_name, prefix = _CONFIG_CLASSES[family]
     rope = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
-    config = config_cls(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn_hidden or 2 * hidden,
+    extra: dict[str, Any] = {}
+    if family.startswith("qwen3"):
+        extra["head_dim"] = hidden // heads  # Qwen3's default is 128
+    expert_ffn = expert_ffn_hidden or hidden
+    if family == "mixtral":
+        extra.update(num_local_experts=experts, num_experts_per_tok=topk, router_jitter_noise=0.0)
+    elif family.endswith("_moe"):
+        extra.update(num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=expert_ffn,
+                     norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(dense_layers))
+        if family == "qwen2_moe":
+            extra["shared_expert_intermediate_size"] = 2 * hidden
+    config = getattr(transformers, class_name)(
+        vocab_size=vocab_size, hidden_size=hidden,
+        intermediate_size=expert_ffn if family == "mixtral" else ffn_hidden or 2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=tie,
         rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        architectures=[f"{prefix}For{'CausalLM' if head == 'lm' else 'SequenceClassification'}"])
+        architectures=[f"{prefix}For{'CausalLM' if head == 'lm' else 'SequenceClassification'}"], **extra)
     if head == "seq_cls":
         config.num_labels = 1
     return config
@@ -62,26 +82,52 @@ def create_tiny_model(out_dir: str | Path, family: str = "llama", *, vocab_size:
 
 
 DEFAULT_TINY = {"family": "llama", "vocab_size": 64, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "seed": 0}
+# models a config can name as `tiny:<name>` (actor.model.path), created on first use like the default
+BUNDLED_MODELS = {
+    "llama": DEFAULT_TINY,
+    # 4 experts of 64, top-2 renormalised, q/k norms: the Qwen3-30B-A3B architecture at toy size
+    "qwen3_moe": {"family": "qwen3_moe", "vocab_size": 64, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2,
+                  "seed": 0, "experts": 4, "topk": 2, "expert_ffn_hidden": 64},
+}
+TINY_PREFIX = "tiny:"
 
 
 def default_model_dir(cache_dir: str | Path | None = None) -> Path:
     """The embedded default model: a tiny Llama over the bundled 64-character tokenizer, created
     deterministically on first use under $HYBRIDRL_CACHE (default ~/.cache/hybridrl) and reused after."""
+    return bundled_model_dir("llama", cache_dir)
+
+
+def resolve_model_path(path: str | None) -> str:
+    """A model folder from a config value: None is the default tiny model, `tiny:<name>` a bundled one."""
+    if path is None:
+        return str(default_model_dir())
+    if str(path).startswith(TINY_PREFIX):
+        return str(bundled_model_dir(str(path)[len(TINY_PREFIX):]))
+    return str(path)
+
+
+def bundled_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
+    """A bundled tiny model (BUNDLED_MODELS) over the bundled tokenizer, created once and reused."""
     import os
     import shutil
     import tempfile
 
     from hybridrl.data.tokenizer import BUNDLED_TOKENIZER_DIR, VOCAB_SIZE
 
+    if name not in BUNDLED_MODELS:
+        raise ValueError(f"{TINY_PREFIX}{name} is not a bundled model; choose one of "
+                         f"{[TINY_PREFIX + n for n in BUNDLED_MODELS]}")
+    spec = dict(BUNDLED_MODELS[name])
     base = Path(cache_dir or os.environ.get("HYBRIDRL_CACHE") or Path.home() / ".cache" / "hybridrl")
-    name = "tiny-llama-v{vocab_size}-h{hidden}-l{layers}-s{seed}".format(**DEFAULT_TINY)
-    target = base / name
+    folder = "tiny-{family}-v{vocab_size}-h{hidden}-l{layers}".format(**spec) + \
+        ("-e{experts}k{topk}".format(**spec) if "experts" in spec else "") + "-s{seed}".format(**spec)
+    target = base / folder
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
-    assert DEFAULT_TINY["vocab_size"] == VOCAB_SIZE
+    assert spec["vocab_size"] == VOCAB_SIZE
     base.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=base))
-    spec = dict(DEFAULT_TINY)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder}-", dir=base))
     create_tiny_model(staging, spec.pop("family"), **spec)
     for item in BUNDLED_TOKENIZER_DIR.iterdir():
         shutil.copy(item, staging / item.name)

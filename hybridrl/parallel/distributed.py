@@ -67,6 +67,7 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

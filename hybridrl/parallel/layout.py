@@ -1,8 +1,10 @@
 """ParallelLayout: the one owner of rank arithmetic for tensor/pipeline/data parallelism.
 
-Ranks follow Megatron-Core's default order "tp-cp-ep-dp-pp" (cp = ep = 1 here):
+Ranks follow Megatron-Core's default order "tp-cp-ep-dp-pp" (cp = 1 here):
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
-so TP ranks are consecutive, DP strides by tp, PP strides by tp*dp.
+so TP ranks are consecutive, DP strides by tp, PP strides by tp*dp. Expert parallelism (ep, for MoE models)
+splits each DP group's ranks into groups of `ep` consecutive DP replicas that hold different experts (the
+attention and dense weights stay replicated over DP); an expert's own TP is the layout's tp.
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ class ParallelLayout:
     dp: int = 1
     sequence_parallel: bool = False
     vpp: int | None = None  # virtual pipeline chunks per stage (optional)
+    ep: int = 1  # expert parallel: DP replicas that split the experts of each MoE layer
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -37,6 +40,9 @@ class ParallelLayout:
             raise LayoutError("sequence_parallel needs tp > 1 (it splits activations over the TP group)")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             raise LayoutError("vpp (virtual pipeline) needs pp > 1 and vpp >= 1")
+        if self.dp % self.ep:
+            raise LayoutError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel ranks are data-parallel "
+                              f"replicas of the rest of the model; choose ep in {divisors(self.dp)}")
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -55,7 +61,7 @@ class ParallelLayout:
             )
 
     def check_model(self, num_attention_heads: int, num_query_groups: int, num_layers: int,
-                    vocab_size: int | None = None) -> None:
+                    vocab_size: int | None = None, num_experts: int = 0) -> None:
         """Refuse a model that cannot be split by this layout, naming the option and the fix."""
         if num_attention_heads % self.tp:
             raise LayoutError(f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}; "
@@ -63,6 +69,9 @@ class ParallelLayout:
         if num_query_groups % self.tp:
             raise LayoutError(f"num_key_value_heads={num_query_groups} is not divisible by tp={self.tp}; "
                               f"choose tp in {divisors(num_query_groups)}")
+        if self.ep > 1 and (not num_experts or num_experts % self.ep):
+            raise LayoutError(f"ep={self.ep} needs a mixture-of-experts model whose experts it divides (the model "
+                              f"has {num_experts}); choose ep in {divisors(num_experts) if num_experts else [1]}")
         stages = self.pp * (self.vpp or 1)
         if num_layers % stages:
             raise LayoutError(f"num_layers={num_layers} is not divisible by pp*vpp={stages}; "
@@ -121,6 +130,7 @@ class ParallelLayout:
     def describe(self) -> str:
         extra = ", sp" if self.sequence_parallel else ""
         extra += f", vpp={self.vpp}" if self.vpp else ""
+        extra += f", ep={self.ep}" if self.ep > 1 else ""
         return f"tp={self.tp}, pp={self.pp}, dp={self.dp}{extra}"
 
 
