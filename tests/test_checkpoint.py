@@ -394,7 +394,7 @@ def test_checkpoint_exports_to_hf_with_the_trained_actors_logits(reference_run, 
     from hybridrl.models.convert_cli import run as convert_run
 
     out = tmp_path / "hf"
-    rc = convert_run(argparse.Namespace(source_format="ckpt", target_format="hf", tp=1, pp=1, dtype="auto",
+    rc = convert_run(argparse.Namespace(source_format="ckpt", target_format="hf", tp=1, pp=1, ep=1, dtype="auto",
                                         src=str(reference_run["dir"] / "ckpt" / "step_6"), dst=str(out)))
     assert rc == 0
     exported = {}
@@ -457,7 +457,7 @@ def test_bad_checkpoint_convert_requests_are_refused(tmp_path, capsys):
     from hybridrl.models.convert_cli import run as convert_run
 
     def convert(src, target="hf") -> str:
-        args = argparse.Namespace(source_format="ckpt", target_format=target, tp=1, pp=1, dtype="auto", src=str(src),
+        args = argparse.Namespace(source_format="ckpt", target_format=target, tp=1, pp=1, ep=1, dtype="auto", src=str(src),
                                   dst=str(tmp_path / "out"))
         assert convert_run(args) == 2
         return capsys.readouterr().err
