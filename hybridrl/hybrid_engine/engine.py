@@ -7,8 +7,9 @@ One object per rank, built once (collectively) next to the training model:
     ... generate with gen_model (rollout engine) ...
     engine.to_training()                 # release what generation held; training weights bit-identical
 
-When the generation layout equals the training layout (t_g = t, p = p_g = 1) nothing moves: the training
-model itself generates. Otherwise a generation-layout Megatron model (t_g, p_g; the rollout engines use
+When the generation layout equals the training layout (t_g = t, p = p_g = 1, no expert parallelism) nothing
+moves: the training model itself generates. Mixture-of-experts models generate with every expert on each rank
+(e_g = 1): with expert parallelism in training, the other ranks' experts are all-gathered first (experts.py). Otherwise a generation-layout Megatron model (t_g, p_g; the rollout engines use
 p_g = 1, a p_g > 1 model is a pipeline stage run by the caller) is built on the strided generation groups
 (parallel/generation.py) and its parameters are pointed at the Resharder's generation buffer on each
 to_generation() (hybrid: in place, see reshard.py; the model object stays the same, so a rollout engine built
@@ -56,7 +57,7 @@ class HybridEngine:
         # sequence parallelism splits activations along the sequence: decoding one token at a time cannot use
         # it, so a sequence-parallel training model always gets a separate generation model
         self.identity = (self.groups.micro_dp_size == 1 and gen_layout.pp == layout.pp == 1
-                         and not layout.sequence_parallel)
+                         and not layout.sequence_parallel and layout.ep == 1)
         self.last_stats = ReshardStats()
         self.in_generation = False
         if self.identity:
@@ -72,7 +73,17 @@ class HybridEngine:
         self.gen_model.eval()
         self._gen_shapes = generation_parameter_shapes(self.gen_model)
         detach_generation_weights(self.gen_model)  # its weights will view the generation buffer
-        self.resharder = Resharder(self.groups, training_params(train_model, stage), strategy,
+        params = training_params(train_model, stage)
+        self.experts = None  # expert parallelism: the other ranks' experts are gathered first (experts.py)
+        if layout.ep > 1:
+            from megatron.core import parallel_state
+
+            from hybridrl.hybrid_engine.experts import ExpertGather
+
+            self.experts = ExpertGather(params, inner.config.num_moe_experts,
+                                        parallel_state.get_expert_model_parallel_group())
+            params = self.experts.params(params)
+        self.resharder = Resharder(self.groups, params, strategy,
                                    bucket_bytes=max(1, int(bucket_mb * (1 << 20))),
                                    release_training=release_training, generation_names=set(self._gen_shapes))
         self.tp_group = pgs.tp
@@ -99,9 +110,15 @@ class HybridEngine:
         (hybrid, release_training) the training parameters have no storage: call to_training() before
         training or reading them."""
         if self.resharder is not None and not self.in_generation:
+            expert_bytes = self.experts.gather() if self.experts is not None else 0
             tensors = self.resharder.to_generation()
             attach_generation_weights(self.gen_model, tensors, self._gen_shapes)
             self.last_stats = self.resharder.last_stats
+            if self.experts is not None:
+                self.last_stats.extra["expert_recv_bytes"] = expert_bytes
+                self.last_stats.recv_payload_bytes += expert_bytes
+                self.last_stats.recv_wire_bytes += expert_bytes
+                self.last_stats.collectives += len(self.experts.pairs)
         self.in_generation = True
         return self.gen_model
 
@@ -110,4 +127,6 @@ class HybridEngine:
         if self.resharder is not None and self.in_generation:
             detach_generation_weights(self.gen_model)
             self.resharder.to_training()
+            if self.experts is not None:
+                self.experts.release()
         self.in_generation = False

@@ -46,7 +46,9 @@ def _this_ranks_group(member_lists: list[list[int]], rank: int):
 def generation_pg_collection(groups: GenerationGroups):
     """ProcessGroupCollection for this rank's generation-layout model (collective over all ranks): strided
     generation TP groups, generation PP groups (p_g stages; the rollout engines use p_g = 1), no context
-    parallelism. No embedding group: tied embeddings are filled by the reshard on every stage that holds them."""
+    parallelism. No embedding group: tied embeddings are filled by the reshard on every stage that holds them.
+    Mixture-of-experts layers generate without expert parallelism (e_g = 1: every generation rank holds all
+    experts, TP-split like the dense MLPs)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     rank = dist.get_rank()
@@ -64,6 +66,8 @@ def generation_pg_collection(groups: GenerationGroups):
     pgs = ProcessGroupCollection()
     pgs.tp, pgs.pp, pgs.cp, pgs.mp, pgs.tp_cp = tp, pp, single, mp, tp
     pgs.dp, pgs.dp_cp = dp, dp
+    pgs.ep, pgs.expt_tp, pgs.tp_ep, pgs.tp_ep_pp, pgs.expt_dp = single, tp, tp, mp, dp
+    pgs.tp_dp_cp = dist.group.WORLD  # only the load-balancing loss reduces over it: never at generation
     pgs.embd, pgs.pos_embd = None, None  # weights come from the reshard: no embedding sync across stages
     return pgs
 
