@@ -35,11 +35,9 @@ ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "bucket_mb", "max_model_len", 
 
 
 def _model_path(model: str | None) -> str:
-    if model is not None:
-        return str(model)
-    from hybridrl.models.tiny import default_model_dir
+    from hybridrl.models.tiny import resolve_model_path
 
-    return str(default_model_dir())
+    return resolve_model_path(model)
 
 
 def _tokenizer_for(model_path: str, tokenizer: Any = None):
@@ -65,7 +63,8 @@ def _layout_on(pool: ResourcePool, parallel: dict | None) -> ParallelLayout:
     if pool.world_size % (tp * pp):
         raise ValueError(f"parallel tp={tp} x pp={pp} does not divide the pool's {pool.world_size} devices")
     dp = parallel.get("dp") or pool.world_size // (tp * pp)
-    return ParallelLayout(tp=tp, pp=pp, dp=int(dp), sequence_parallel=bool(parallel.get("sequence_parallel", False)))
+    return ParallelLayout(tp=tp, pp=pp, dp=int(dp), sequence_parallel=bool(parallel.get("sequence_parallel", False)),
+                          ep=int(parallel.get("ep", 1)))
 
 
 def _start(pool: ResourcePool | None, ray_address: str | None = None) -> ResourcePool:
@@ -156,7 +155,7 @@ class Actor(_Role):
     rollout: engine (native | vllm), tp, reshard (hybrid | ds_chat | hybridflow_v), bucket_mb, max_model_len, and the
     default sampling (n, temperature, top_p, top_k, max_new_tokens). optim: lr, weight_decay, betas,
     clip_grad, warmup_steps, use_distributed_optimizer. loss: clip_ratio, entropy_coef, kl_loss_coef,
-    kl_estimator (PolicyLossConfig).
+    kl_estimator (PolicyLossConfig). moe (models with experts): aux_loss_coef, z_loss_coef of the routers.
     """
 
     def __init__(self, model: str | None = None, parallel: dict | None = None, rollout: dict | None = None,
@@ -164,7 +163,7 @@ class Actor(_Role):
                  micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", tokenizer: Any = None, seed: int = 1,
-                 role: str = "actor", call_timeout_s: float | None = 3600.0) -> None:
+                 role: str = "actor", call_timeout_s: float | None = 3600.0, moe: dict | None = None) -> None:
         from hybridrl.workers.actor import ActorWorker
 
         path = _model_path(model)
@@ -181,7 +180,8 @@ class Actor(_Role):
         self.loss = dict(loss or {})
         self.model_path, self.dtype, self.engine_spec = path, dtype, engine_spec
         model_spec = {"path": path, "dtype": dtype, "micro_batch_size": micro_batch_size,
-                      "max_tokens_per_micro_batch": max_tokens_per_micro_batch, "optim": dict(optim or {})}
+                      "max_tokens_per_micro_batch": max_tokens_per_micro_batch, "optim": dict(optim or {}),
+                      "moe": dict(moe or {})}
         super().__init__(ActorWorker, role, resource_pool, parallel,
                          {"model": model_spec, "rollout": engine_spec, "seed": seed}, seed, call_timeout_s)
         self._step_seed = seed * 1_000_003

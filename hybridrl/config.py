@@ -32,6 +32,7 @@ class ParallelConfig:
     pp: int = 1
     dp: Optional[int] = None  # None: fill the role's devices (devices // (tp * pp))
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallel (mixture-of-experts models): DP replicas that split each MoE layer's experts
 
 
 @dataclass
@@ -52,10 +53,18 @@ class ModelConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts training (models with experts only): the routers' auxiliary losses."""
+    aux_loss_coef: float = 0.0  # load-balancing loss (Switch-style, per sequence batch); 0: off
+    z_loss_coef: float = 0.0  # router z-loss (mean squared logsumexp of the router logits); 0: off
+
+
+@dataclass
 class RoleConfig:
     """A Megatron-backed role (actor, critic, reference, reward/cost model)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)  # the actor's (and the critic's) routers
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is null

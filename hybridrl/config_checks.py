@@ -46,7 +46,9 @@ def _finite(v: Any) -> bool:
 
 
 def _exists(v: Any) -> bool:
-    return v is None or Path(str(v)).expanduser().exists()
+    from hybridrl.models.tiny import TINY_PREFIX
+
+    return v is None or str(v).startswith(TINY_PREFIX) or Path(str(v)).expanduser().exists()
 
 
 def _betas(v: Any) -> bool:
@@ -75,16 +77,19 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("algorithm.lagrangian_lr",), _above(0), "must be > 0", "e.g. 0.05"),
     (("algorithm.lagrangian_init",), lambda v: _finite(v) and v >= 0, "must be >= 0", "e.g. 1.0"),
     (("{m}.model.path", "{s}.model", "{s}.tokenizer"), _exists, "does not exist",
-     "give a Hugging Face model folder, or leave it unset"),
+     "give a Hugging Face model folder, a bundled tiny:<name>, or leave it unset"),
     (("{m}.model.dtype", "{s}.dtype"), _one_of(*DTYPES), f"is not one of {list(DTYPES)}", "float32 on CPU"),
     (("{r}.parallel.tp", "{r}.parallel.pp"), _at_least(1), "must be >= 1", "1 means no split"),
     (("{r}.parallel.dp",), _optional(_at_least(1)), "must be >= 1", "leave unset: the pool's devices / (tp * pp)"),
+    (("{r}.parallel.ep",), _at_least(1), "must be >= 1", "1: every rank holds all experts"),
     (("{m}.optim.optimizer",), _one_of(*OPTIMIZERS), f"is not one of {list(OPTIMIZERS)}", "adam"),
     (("{m}.optim.lr",), _above(0), "must be > 0", "e.g. 1e-6 for a 7B actor"),
     (("{m}.optim.weight_decay", "{m}.optim.clip_grad"), lambda v: _finite(v) and v >= 0, "must be >= 0",
      "0 turns it off"),
     (("{m}.optim.betas",), _betas, "must be two numbers in [0, 1)", "[0.9, 0.999]"),
     (("{m}.optim.warmup_steps",), _at_least(0), "must be >= 0", "0: no warm-up"),
+    (("{m}.moe.aux_loss_coef", "{m}.moe.z_loss_coef"), lambda v: _finite(v) and v >= 0, "must be >= 0",
+     "0 turns it off; 1e-3 is common"),
     (("{r}.micro_batch_size",), _at_least(1), "must be >= 1", "sequences per forward pass"),
     (("{r}.max_tokens_per_micro_batch",), _optional(_at_least(1)), "must be >= 1",
      "leave unset to batch by micro_batch_size"),

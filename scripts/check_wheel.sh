@@ -21,6 +21,7 @@ names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 need = ["hybridrl/_bundled/configs/remax_tiny.yaml", "hybridrl/_bundled/configs/ppo_tiny.yaml",
         "hybridrl/_bundled/configs/gpu/remax_llama2_7b_8gpu.yaml",
         "hybridrl/_bundled/configs/gpu/tools/grpo_qwen2_5_7b_python_8gpu.yaml",
+        "hybridrl/_bundled/configs/gpu/moe/grpo_qwen3_30b_a3b_16gpu.yaml", "hybridrl/_bundled/configs/grpo_moe_tiny.yaml",
         "hybridrl/_bundled/configs/remax_async_tiny.yaml", "hybridrl/_bundled/launch/slurm/hybridrl.sbatch",
         "hybridrl/_bundled/launch/ray/start_head.sh", "hybridrl/assets/tokenizer/tokenizer.json",
         "hybridrl/bundled.py", "hybridrl/launch/submit_cli.py"]

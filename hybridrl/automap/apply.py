@@ -36,7 +36,7 @@ def apply_auto_map(cfg: Any) -> dict:
     from hybridrl.algorithms.registry import get_algorithm
     from hybridrl.automap.cost import Workload
     from hybridrl.config import ConfigError
-    from hybridrl.models.tiny import default_model_dir
+    from hybridrl.models.tiny import resolve_model_path
     from hybridrl.trainer.plan import ROLE_SECTIONS
 
     alg, roll, data, res = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources
@@ -55,7 +55,7 @@ def apply_auto_map(cfg: Any) -> dict:
                     mini_batches=mini_batches, epochs=alg.ppo_epochs,
                     old_log_probs=not on_policy or (reference and alg.kl.mode == "reward"),
                     max_decode_batch=roll.max_batch_size)
-    actor_path = str(cfg.actor.model.path or default_model_dir())
+    actor_path = resolve_model_path(cfg.actor.model.path)
     try:
         acc = _machine(devices, int(res.nodes), cfg.actor.model.dtype)
         prob = make_problem(actor_path, alg.name, acc, devices, work, critic_model=cfg.critic.model.path,

@@ -144,7 +144,8 @@ class RLTrainer:
         self.roles["actor"] = Actor(plan.roles["actor"].model_path, parallel("actor"), rollout, pool("actor"),
                                     optim=dict(a.optim), loss=loss, micro_batch_size=a.micro_batch_size,
                                     max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-                                    dtype=a.model.dtype, tokenizer=self.tokenizer, seed=seed, call_timeout_s=timeout)
+                                    dtype=a.model.dtype, tokenizer=self.tokenizer, seed=seed, call_timeout_s=timeout,
+                                    moe=dict(a.moe))
         if "ref" in plan.roles:
             self.roles["ref"] = ReferencePolicy(plan.roles["ref"].model_path, pool("ref"), parallel("ref"),
                                                 cfg.ref.micro_batch_size, cfg.ref.max_tokens_per_micro_batch,

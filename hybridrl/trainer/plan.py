@@ -106,10 +106,13 @@ def _check_episodes(cfg: Any) -> None:
 
 
 def _model_dir(path: str | None, option: str) -> str:
-    if path is None:
-        from hybridrl.models.tiny import default_model_dir
+    from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
 
-        return str(default_model_dir())
+    if path is None or str(path).startswith(TINY_PREFIX):
+        try:
+            return resolve_model_path(path)
+        except ValueError as exc:
+            raise ConfigError(f"{option}={path!r}: {exc}") from None
     folder = Path(path).expanduser()
     _check(folder.is_dir() and (folder / "config.json").is_file(),
            f"{option}={path!r}: no Hugging Face model folder there (expected config.json); give a local folder")
@@ -127,7 +130,7 @@ def _layout(role: str, role_cfg: Any, devices: int, pool: str) -> ParallelLayout
            f"{role}.parallel: tp*pp*dp = {par.tp}*{par.pp}*{dp} != {devices} devices of pool {pool!r}; "
            f"leave dp unset to fill the pool")
     try:
-        return ParallelLayout(tp=par.tp, pp=par.pp, dp=dp, sequence_parallel=par.sequence_parallel)
+        return ParallelLayout(tp=par.tp, pp=par.pp, dp=dp, sequence_parallel=par.sequence_parallel, ep=par.ep)
     except LayoutError as exc:
         raise ConfigError(f"{role}.parallel: {exc}") from None
 
@@ -140,11 +143,17 @@ def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
         hf = load_hf_config(path)
     except CheckpointError as exc:
         raise ConfigError(f"{role}.model.path: {exc}") from None
+    from hybridrl.models.families import ModelDims
+
+    moe = ModelDims.from_hf(hf).moe
     try:
         layout.check_model(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-                           hf.num_hidden_layers)
+                           hf.num_hidden_layers, num_experts=moe.num_experts if moe else 0)
     except LayoutError as exc:
         raise ConfigError(f"{role}.parallel with model {path}: {exc}") from None
+    _check(not (moe and layout.tp > 1 and not layout.sequence_parallel and role in ("actor", "critic")),
+           f"{role}.parallel: the mixture-of-experts model {path} trains at tp={layout.tp} only with "
+           f"sequence parallelism (Megatron's MoE layers): set {role}.parallel.sequence_parallel=true")
 
 
 def _vllm_unsupported(model_path: str) -> str | None:

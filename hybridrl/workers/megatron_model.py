@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -51,6 +51,7 @@ class ModelSpec:
     max_tokens_per_micro_batch: int | None = None  # token budget: pack sequences into rows (no padding rows)
     optim: OptimSpec | None = None  # None: frozen (reference, reward model)
     sequence_parallel: bool = False
+    moe: dict[str, float] = field(default_factory=dict)  # aux_loss_coef, z_loss_coef (models with experts)
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
@@ -59,6 +60,20 @@ class ModelSpec:
         if optim is not None and not isinstance(optim, OptimSpec):
             optim = OptimSpec(**{k: (tuple(v) if k == "betas" else v) for k, v in dict(optim).items()})
         return cls(optim=optim, **spec)
+
+
+def _router_losses(hf_config: Any, moe: dict[str, float]) -> dict[str, Any]:
+    """Megatron settings of the routers' auxiliary losses (models with experts; none by default)."""
+    from hybridrl.models.families import ModelDims
+
+    unknown = set(moe) - {"aux_loss_coef", "z_loss_coef"}
+    if unknown:
+        raise ValueError(f"moe: unknown keys {sorted(unknown)}; known: aux_loss_coef, z_loss_coef")
+    aux, z = float(moe.get("aux_loss_coef", 0.0)), float(moe.get("z_loss_coef", 0.0))
+    if ModelDims.from_hf(hf_config).moe is None:
+        return {}
+    return {"moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none", "moe_aux_loss_coeff": aux,
+            "moe_z_loss_coeff": z if z > 0 else None}
 
 
 def model_spec(model: dict[str, Any], layout: Any, **fixed: Any) -> ModelSpec:
@@ -94,7 +109,7 @@ class MegatronModel:
         self.hf_config = load_hf_config(spec.path)
         torch.manual_seed(seed)
         model = build_gpt_model(self.hf_config, head=spec.head, dtype=DTYPES[spec.dtype],
-                                sequence_parallel=spec.sequence_parallel)
+                                sequence_parallel=spec.sequence_parallel, **_router_losses(self.hf_config, spec.moe))
         model = model.to(device())
         load_hf_weights(model, spec.path, self.hf_config, init_missing_score=spec.head == "scalar")
         self.inner = model
@@ -106,8 +121,13 @@ class MegatronModel:
         self.optimizer = None
         self.scheduler = None
         self.model = model
+        self.routing = None  # a mixture-of-experts model's routers, watched during updates
         if spec.optim is not None:
             self._make_trainable(spec.optim)
+            if model.config.num_moe_experts:
+                from hybridrl.workers.moe_metrics import RoutingTracker
+
+                self.routing = RoutingTracker(model)
         self.steps = 0
 
     # ---- training setup ------------------------------------------------------------------------------
@@ -230,7 +250,10 @@ class MegatronModel:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.routing is not None:
+            self.routing.start()
         outputs = self._run(micro_batches, loss_fn, forward_only=False)
+        routing = self.routing.finish(len(micro_batches)) if self.routing is not None else {}
         if self._grads_finite():
             ok, grad_norm, _ = self.optimizer.step()
         else:  # never let NaN/inf reach the weights (or a checkpoint): skip this step on every rank
@@ -241,7 +264,8 @@ class MegatronModel:
         self.steps += 1
         result: dict[str, float] = {"tokens": local_tokens,  # lets the driver weight DP ranks' metrics
                                     "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                                    "update_ok": float(bool(ok)), "lr": float(self.optimizer.param_groups[0]["lr"])}
+                                    "update_ok": float(bool(ok)), "lr": float(self.optimizer.param_groups[0]["lr"]),
+                                    **routing}
         if self.is_last_stage and outputs:
             weights = torch.stack([o["_tokens"] for o in outputs])
             total = float(weights.sum()) or 1.0

@@ -1,0 +1,354 @@
+"""Mixture-of-experts models (issue 15, first part): Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral built as
+Megatron-Core MoE GPTModels from their HF checkpoints equal transformers, with expert parallelism over gloo.
+
+One long-lived 4-rank pool; references from transformers in a clean subprocess (their fused in-memory experts
+named back to the checkpoint's per-expert tensors). Checks at TP=1/EP=1, TP=1/EP=2, TP=2/EP=2 and PP=2/EP=2:
+logits (fp32, <= 1e-4), loss, every parameter's gradient under its HF name (<= 1e-5), and the router's top-k
+choices against transformers' own router on the same hidden states.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridrl.models.reference import hf_reference
+from hybridrl.models.tiny import create_tiny_model
+from hybridrl.parallel.layout import LayoutError, ParallelLayout
+
+WORLD = 4
+# Megatron's MoE layers need sequence parallelism beside TP in training
+LAYOUTS = [ParallelLayout(tp=1, dp=4), ParallelLayout(tp=1, dp=4, ep=2),
+           ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), ParallelLayout(tp=1, pp=2, dp=2, ep=2)]
+BATCH, SEQ, VOCAB = 2, 16, 128
+ATOL, GRAD_ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    common = {"vocab_size": VOCAB, "hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2}
+    return {
+        # top-k renormalised, q/k norms, the second layer dense (mlp_only_layers)
+        "qwen3_moe": create_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=0, dense_layers=(1,), **common),
+        # softmax over all experts then top-k (no renormalisation), a shared expert with its sigmoid gate, qkv bias
+        "qwen2_moe": create_tiny_model(root / "qwen2_moe", "qwen2_moe", seed=1, norm_topk_prob=False, **common),
+        "mixtral": create_tiny_model(root / "mixtral", "mixtral", seed=2, **common),
+    }
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+def _moe_step(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor, labels: torch.Tensor):
+    """One forward + backward at `layout`; rank 0 returns logits, loss, {HF name: full grad} and, per MoE layer,
+    the experts chosen for every token ([b, s, experts] bool)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
+
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights, named_global_parameters
+    from hybridrl.models.families import tp_gather, tp_partition_dim
+    from hybridrl.parallel.distributed import initialize_model_parallel
+
+    initialize_model_parallel(layout)
+    hf_config = load_hf_config(model_dir)
+    model = build_gpt_model(hf_config, sequence_parallel=layout.sequence_parallel)
+    load_hf_weights(model, model_dir, hf_config)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    outputs, chosen = {}, {}
+    for layer in model.decoder.layers:  # the experts each token goes to (the router's routing map)
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            def keep(module, args, out, number=layer.layer_number - 1):
+                chosen[number] = out[1].detach().reshape(-1, BATCH, out[1].shape[-1]).clone()  # [s (/ tp), b, E]
+            router.register_forward_hook(keep)
+
+    def loss_func(output):
+        loss_per_token, logits = output
+        outputs["logits"] = gather_from_tensor_model_parallel_region(logits.detach())
+        loss = loss_per_token.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, chunk):
+        output = chunk(input_ids, positions, attention_mask=None)
+        if not ps.is_pipeline_last_stage():
+            return output, loss_func
+        loss = vocab_parallel_cross_entropy(output.transpose(0, 1).contiguous().float(), labels.t().contiguous())
+        return (loss, output), loss_func
+
+    losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
+                                         num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH)
+    tp_group = ps.get_tensor_model_parallel_group()
+    for number, mask in sorted(chosen.items()):  # [b, s, E]; sequence parallel: each TP rank routed a slice
+        if layout.sequence_parallel:
+            parts = [torch.empty_like(mask) for _ in range(layout.tp)]
+            dist.all_gather(parts, mask.contiguous(), group=tp_group)
+            mask = torch.cat(parts, dim=0)
+        chosen[number] = mask.transpose(0, 1)
+    # every DP replica ran the same batch: the expert-parallel ranks' tokens all reached each expert, so an
+    # expert's grad is ep times the single batch's
+    experts = {}
+    grads = {}
+    for name, param in named_global_parameters(model):
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        is_expert = ".local_experts." in name
+        if is_expert:
+            grad = grad / layout.ep
+        if getattr(param, "sequence_parallel", False):  # each TP rank holds a partial norm / router grad
+            grad = grad.clone()
+            dist.all_reduce(grad, group=tp_group)
+        dim = tp_partition_dim(param)
+        if dim is not None and layout.tp > 1:
+            shards = [torch.empty_like(grad) for _ in range(layout.tp)]
+            dist.all_gather(shards, grad.contiguous(), group=tp_group)
+            grad = tp_gather(name, shards, dim)
+        for hf_name, tensor in model.hybridrl_family.to_hf(name, grad, hf_config, "lm"):
+            (experts if is_expert else grads)[hf_name] = tensor
+    # each tensor from one rank: TP rank 0 of DP replica 0 (experts: of each expert-parallel rank)
+    tp0 = ps.get_tensor_model_parallel_rank() == 0
+    last = ps.is_pipeline_last_stage()
+    mine = {"grads": grads if tp0 and ps.get_data_parallel_rank() == 0 else {},
+            "experts": experts if tp0 and ps.get_expert_data_parallel_rank() == 0 else {},
+            "logits": outputs.get("logits") if tp0 and last and ps.get_data_parallel_rank() == 0 else None,
+            "loss": float(losses[0]["loss"]) if tp0 and last and ps.get_data_parallel_rank() == 0 else None,
+            "chosen": chosen if tp0 and ps.get_data_parallel_rank() == 0 else {}}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return None
+    merged = {"grads": {}, "logits": None, "loss": None, "chosen": {}}
+    for item in gathered:
+        for key in ("grads", "experts"):
+            for name, tensor in item[key].items():
+                assert name not in merged["grads"], f"{name} came from two ranks"
+                merged["grads"][name] = tensor
+        merged["chosen"].update(item["chosen"])
+        merged["logits"] = item["logits"] if item["logits"] is not None else merged["logits"]
+        merged["loss"] = item["loss"] if item["loss"] is not None else merged["loss"]
+    return merged
+
+
+def _hf_choices(model_dir: str, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """transformers' routing map per MoE layer: [b, s, experts] bool, from its router's top-k on the hidden
+    states entering that layer's MLP."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    choices = {}
+    for number, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(layer.mlp, "experts"):
+            continue
+
+        def keep(module, args, out, number=number):
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            logits = torch.nn.functional.linear(hidden, module.weight)
+            top = logits.topk(model.config.num_experts_per_tok, dim=-1).indices
+            choices[number] = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top, True).reshape(BATCH, SEQ, -1)
+        gate.register_forward_hook(keep)
+    with torch.no_grad():
+        model(input_ids)
+    return choices
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_logits_grads_and_routing_match_transformers_with_expert_parallelism(dist_pool, moe_models, family):
+    model_dir = str(moe_models[family])
+    input_ids, labels = _batch()
+    ref = hf_reference(model_dir, input_ids, labels)
+    hf_chosen = _hf_choices(model_dir, input_ids)
+    assert hf_chosen, "the reference found no MoE layer"
+    pool = dist_pool(WORLD)
+    for layout in LAYOUTS:
+        result = pool.run(_moe_step, model_dir, layout, input_ids, labels)[0]
+        where = f"{family} at {layout.describe()}"
+        diff = (result["logits"][..., :VOCAB] - ref.logits).abs().max().item()
+        assert diff <= ATOL, f"{where}: logits differ from transformers by {diff}"
+        assert abs(result["loss"] - ref.loss) <= ATOL, where
+        assert set(result["grads"]) == set(ref.grads), (where, set(result["grads"]) ^ set(ref.grads))
+        for name, grad in ref.grads.items():
+            diff = (result["grads"][name] - grad).abs().max().item()
+            assert diff <= GRAD_ATOL, f"{where}: grad of {name} differs by {diff}"
+        assert set(result["chosen"]) == set(hf_chosen), where
+        for number, mask in hf_chosen.items():
+            assert torch.equal(result["chosen"][number].bool(), mask), f"{where}: layer {number} routes differently"
+
+
+def test_expert_parallel_layout_is_checked_against_the_model():
+    with pytest.raises(LayoutError, match="ep=3 must divide dp=4"):
+        ParallelLayout(dp=4, ep=3)
+    with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
+        ParallelLayout(dp=2, ep=2).check_model(4, 2, 2, num_experts=0)
+    with pytest.raises(LayoutError, match=r"choose ep in \[1, 2, 4\]"):
+        ParallelLayout(dp=3, ep=3).check_model(4, 2, 2, num_experts=4)
+
+
+# ---- conversion ------------------------------------------------------------------------------------------
+def _megatron_names(family, config) -> list[str]:
+    """Every Megatron parameter name (global layers and experts) of an MoE config."""
+    from hybridrl.models.families import ModelDims
+
+    d = ModelDims.from_hf(config)
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+    for i in range(d.num_layers):
+        layer = f"decoder.layers.{i}."
+        names += [layer + n for n in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
+                                      "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight")]
+        names += [layer + f"self_attention.{q}_layernorm.weight" for q in "qk"] if family.qk_norm else []
+        names += [layer + "self_attention.linear_qkv.bias"] if family.qkv_bias else []
+        if not d.moe.layers[i]:
+            names += [layer + "mlp.linear_fc1.weight", layer + "mlp.linear_fc2.weight"]
+            continue
+        names.append(layer + "mlp.router.weight")
+        names += [layer + f"mlp.experts.local_experts.{e}.linear_fc{k}.weight" for e in range(d.moe.num_experts)
+                  for k in (1, 2)]
+        if family.moe.shared:
+            names += [layer + f"mlp.shared_experts.{n}" for n in ("linear_fc1.weight", "linear_fc2.weight",
+                                                                  "gate_weight")]
+    return names
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_to_hf_inverts_from_hf_for_every_moe_parameter(name):
+    from hybridrl.models.families import FAMILIES
+    from hybridrl.models.tiny import tiny_hf_config
+
+    family = FAMILIES[name]
+    config = tiny_hf_config(name, layers=3, hidden=32, heads=4, kv_heads=2, dense_layers=(1,) if name != "mixtral" else ())
+    shapes = family.expected_hf_tensors(config)
+    gen = torch.Generator().manual_seed(0)
+    hf = {n: torch.randn(shape, generator=gen) for n, shape in shapes.items()}
+    seen = {}
+    for mcore_name in _megatron_names(family, config):
+        seen.update(dict(family.to_hf(mcore_name, family.from_hf(mcore_name, hf.__getitem__, config), config)))
+    assert set(seen) == set(hf)
+    assert all(torch.equal(seen[n], hf[n]) for n in hf)
+
+
+@pytest.mark.slow
+def test_convert_with_expert_parallelism_round_trips_bit_exact(moe_models, tmp_path, capsys):
+    """HF -> Megatron at TP=2 x EP=2 (4 processes, 2 experts each) -> HF at PP=2 x EP=2: every tensor equal."""
+    from hybridrl.cli import main as cli_main
+    from safetensors.torch import load_file
+
+    source = moe_models["qwen2_moe"]
+    assert cli_main(["convert", "--from", "hf", "--to", "mcore", "--tp", "2", "--ep", "2", str(source),
+                     str(tmp_path / "mcore")]) == 0
+    assert cli_main(["convert", "--from", "mcore", "--to", "hf", "--pp", "2", "--ep", "2", str(tmp_path / "mcore"),
+                     str(tmp_path / "back")]) == 0
+    original, exported = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "back" /
+                                                                                    "model.safetensors"))
+    assert set(original) == set(exported)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    assert cli_main(["convert", "--from", "hf", "--to", "mcore", "--ep", "3", str(source), str(tmp_path / "bad")]) == 2
+    assert "ep=3 needs a mixture-of-experts model whose experts it divides (the model has 4)" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+# ---- the 3D-HybridEngine with experts ----------------------------------------------------------------------
+def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor):
+    """Training model at `layout` -> generation model at t_g = 1 with every expert; returns per rank the
+    generation logits, the expert bytes received (and the bytes this rank's experts hold), and whether the
+    training weights came back bit-identical with the gathered experts' buffers freed."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.hybrid_engine.engine import HybridEngine
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+    from hybridrl.models.families import expert_number
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.generation import GenerationLayout
+
+    initialize_model_parallel(layout)
+    hf_config = load_hf_config(model_dir)
+    model = build_gpt_model(hf_config, sequence_parallel=layout.sequence_parallel)
+    load_hf_weights(model, model_dir, hf_config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = HybridEngine(model, hf_config, layout, GenerationLayout(tp=1))
+    local_expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                             if expert_number(n) is not None)
+    gen = engine.to_generation()
+    with torch.no_grad():
+        logits = gen(input_ids, torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1), None)
+    received = engine.last_stats.extra.get("expert_recv_bytes", 0)
+    engine.to_training()
+    restored = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    freed = all(p.tensor.untyped_storage().size() == 0 for p in engine.experts.remote) if engine.experts else True
+    return {"logits": logits[..., :VOCAB], "received": received, "local_expert_bytes": local_expert_bytes,
+            "ep": ps.get_expert_model_parallel_world_size(), "restored": restored, "freed": freed}
+
+
+@pytest.mark.slow
+def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, moe_models):
+    """Training EP=2 (TP=1 and TP=2 with SP) -> generation t_g=1, e_g=1: each rank receives exactly the other
+    expert-parallel rank's experts ((ep - 1) x its own expert bytes), the generation logits equal transformers',
+    and going back leaves the training weights bit-identical and the gathered experts freed."""
+    model_dir = str(moe_models["mixtral"])
+    input_ids, _ = _batch()
+    ref = hf_reference(model_dir, input_ids)
+    pool = dist_pool(WORLD)
+    for layout in (ParallelLayout(tp=1, dp=4, ep=2), ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True)):
+        for rank, out in enumerate(pool.run(_moe_engine_round_trip, model_dir, layout, input_ids)):
+            where = f"rank {rank} at {layout.describe()}"
+            assert (out["logits"] - ref.logits).abs().max().item() <= ATOL, where
+            assert out["received"] == (out["ep"] - 1) * out["local_expert_bytes"] > 0, where
+            assert out["restored"] and out["freed"], where
+
+
+@pytest.mark.slow
+def test_grpo_moe_config_learns_with_expert_parallelism(ray_two_devices):
+    """configs/grpo_moe_tiny.yaml (EP=2): reward first < 0.3 -> last five > 0.7; the generation model (all
+    experts gathered) samples what the training model computes; the routers' losses and loads are logged.
+    Its first step (samples, loss) equals the same job's at TP=2 with sequence parallelism and no expert
+    parallelism; later steps differ slightly: the load-balancing loss depends on how tokens are grouped."""
+    import math
+
+    from test_trainer_e2e import run_steps
+
+    _, history = run_steps([], "grpo_moe_tiny.yaml")
+    rewards = [m["reward_mean"] for m in history]
+    assert rewards[0] < 0.3 and sum(rewards[-5:]) / 5 > 0.7, rewards
+    for m in history:
+        assert m["mismatch/log_prob_diff"] < 1e-5
+        assert math.isfinite(m["moe/load_balancing_loss"]) and math.isfinite(m["moe/z_loss"])
+        tokens = [m[f"moe/expert_tokens/e{e}"] for e in range(4)]
+        # every token goes to 2 distinct experts in each of the 2 MoE layers
+        assert min(tokens) >= 0 and sum(tokens) > 0 and sum(tokens) % 4 == 0, tokens
+        assert 1.0 <= m["moe/load_imbalance"] <= 4.0
+    _, (dense_layout,) = run_steps(["trainer.steps=1", "actor.parallel.tp=2", "actor.parallel.ep=1",
+                                    "actor.parallel.sequence_parallel=true"], "grpo_moe_tiny.yaml")
+    for key in ("reward_mean", "response_length_mean", "actor/pg_loss"):  # grads carry the aux loss too
+        assert math.isclose(history[0][key], dense_layout[key], rel_tol=1e-4, abs_tol=1e-6), key
+
+
+def test_qwen3_30b_a3b_recipe_plans_on_the_real_architecture(tmp_path):
+    """configs/gpu/moe: refuses its placeholders; with a config.json-only folder of the real Qwen3-30B-A3B
+    shapes the plan takes the recipe's layout (t=4 with sequence parallel, ep=4 over 16 devices)."""
+    from transformers import Qwen3MoeConfig
+
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.trainer.plan import plan_run
+
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "gpu" / "moe" / "grpo_qwen3_30b_a3b_16gpu.yaml"
+    with pytest.raises(ConfigError, match="actor.model.path='/path/to/Qwen3-30B-A3B'"):
+        plan_run(load_config(recipe))
+    real = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+    real.save_pretrained(str(tmp_path / "qwen3-30b-a3b"))
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text('{"prompt": "1 + 1 ="}\n')
+    plan = plan_run(load_config(recipe, [f"actor.model.path={tmp_path / 'qwen3-30b-a3b'}",
+                                         f"data.train_files=[{prompts}]", "reward.fn=hybridrl.data.tasks:charset_reward",
+                                         "rollout.engine=native"]))
+    assert plan.roles["actor"].layout == ParallelLayout(tp=4, dp=4, ep=4, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="sequence parallelism"):
+        plan_run(load_config(recipe, [f"actor.model.path={tmp_path / 'qwen3-30b-a3b'}",
+                                      f"data.train_files=[{prompts}]", "reward.fn=hybridrl.data.tasks:charset_reward",
+                                      "rollout.engine=native", "actor.parallel.sequence_parallel=false"]))
