@@ -457,8 +457,8 @@ def test_bad_checkpoint_convert_requests_are_refused(tmp_path, capsys):
     from hybridrl.models.convert_cli import run as convert_run
 
     def convert(src, target="hf") -> str:
-        args = argparse.Namespace(source_format="ckpt", target_format=target, tp=1, pp=1, ep=1, dtype="auto", src=str(src),
-                                  dst=str(tmp_path / "out"))
+        args = argparse.Namespace(source_format="ckpt", target_format=target, tp=1, pp=1, ep=1, dtype="auto",
+                                  src=str(src), dst=str(tmp_path / "out"))
         assert convert_run(args) == 2
         return capsys.readouterr().err
 

@@ -124,12 +124,15 @@ def test_unknown_key_is_refused(tmp_path):
 def test_tiny_config_plans_on_two_cpu_devices(path: Path):
     cfg = load_config(path)
     plan = plan_run(cfg)
-    # grpo_multiturn: grpo on episodes; remax_async: remax with generation on a pool of its own
+    # grpo_multiturn: grpo on episodes; remax_async: remax with generation on a pool of its own; grpo_moe: grpo
+    # on a mixture-of-experts model
     algorithm = path.name.removesuffix("_tiny.yaml").removesuffix("_multiturn").removesuffix("_async")
+    algorithm = algorithm.removesuffix("_moe")
     assert cfg.algorithm.name == algorithm and plan.algorithm.name == algorithm
     assert plan.pools["default"] == 2 and set(plan.pools) <= {"default", "gen"}
     actor = plan.roles["actor"].layout
-    assert (actor.tp, actor.pp) in ((2, 1), (1, 2)), "each tiny config exercises TP=2 or PP=2"
+    assert (actor.tp, actor.pp, actor.ep) in ((2, 1, 1), (1, 2, 1), (1, 1, 2)), \
+        "each tiny config exercises TP=2, PP=2 or EP=2"
     assert cfg.rollout.tp == 1  # generation at TP=1: every step goes through the hybrid engine's regrouping
     assert plan.rows_per_step == cfg.data.batch_size * cfg.rollout.n
     header = path.read_text().split("\nalgorithm:")[0]

@@ -220,7 +220,8 @@ def test_to_hf_inverts_from_hf_for_every_moe_parameter(name):
     from hybridrl.models.tiny import tiny_hf_config
 
     family = FAMILIES[name]
-    config = tiny_hf_config(name, layers=3, hidden=32, heads=4, kv_heads=2, dense_layers=(1,) if name != "mixtral" else ())
+    dense = (1,) if name != "mixtral" else ()  # Mixtral has experts in every layer
+    config = tiny_hf_config(name, layers=3, hidden=32, heads=4, kv_heads=2, dense_layers=dense)
     shapes = family.expected_hf_tensors(config)
     gen = torch.Generator().manual_seed(0)
     hf = {n: torch.randn(shape, generator=gen) for n, shape in shapes.items()}

@@ -6,8 +6,9 @@ of: for generation TP index g, the shards of training TP ranks g*k .. g*k+k-1 (k
 stage, one packed message per (sender, receiver) pair; replicated tensors (norms) come from the first of those
 only. The transport is a process group spanning both pools (the "bridge": training ranks 0..A-1, rollout ranks
 A..A+B-1), opened once next to each pool's own group: gloo on CPU, NCCL when the models live on GPUs (NCCL's
-point-to-point calls use one communicator per pair of ranks, so the per-sender order of the plan cannot deadlock). Each receiver assembles its shards exactly as the
-colocated hybrid engine does (plan.generation_shard_from_training) and copies them into its model in place.
+point-to-point calls use one communicator per pair of ranks, so the per-sender order of the plan cannot
+deadlock; not run here: no GPU). Each receiver assembles its shards exactly as the colocated hybrid engine does
+(plan.generation_shard_from_training) and copies them into its model in place.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def bridge_plan(train: ParallelLayout, gen_tp: int, rollout_ranks: int) -> list[
 
 @dataclass
 class Bridge:
-    """The gloo group spanning both pools, and a counter of the syncs sent in its rendezvous store: a rollout
+    """The process group spanning both pools, and a counter of the syncs sent in its rendezvous store: a rollout
     rank generating a partial rollout reads it between decode steps to learn of new weights at once (its
     receive calls are queued behind the generation)."""
 
@@ -102,8 +103,8 @@ class PendingSends:
         self.works, self.buffers = [], []
 
 
-def send_shards(bridge: Bridge, plan: list[Transfer], rank: int, params: dict[str, torch.Tensor], metas: list[ShardMeta],
-                receiver_offset: int) -> tuple[PendingSends, int]:
+def send_shards(bridge: Bridge, plan: list[Transfer], rank: int, params: dict[str, torch.Tensor],
+                metas: list[ShardMeta], receiver_offset: int) -> tuple[PendingSends, int]:
     """Start this training rank's messages (a receiver's bridge rank is receiver_offset + its rank); returns them
     in flight and the payload bytes."""
     works, buffers, sent = [], [], 0

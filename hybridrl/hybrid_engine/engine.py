@@ -9,8 +9,9 @@ One object per rank, built once (collectively) next to the training model:
 
 When the generation layout equals the training layout (t_g = t, p = p_g = 1, no expert parallelism) nothing
 moves: the training model itself generates. Mixture-of-experts models generate with every expert on each rank
-(e_g = 1): with expert parallelism in training, the other ranks' experts are all-gathered first (experts.py). Otherwise a generation-layout Megatron model (t_g, p_g; the rollout engines use
-p_g = 1, a p_g > 1 model is a pipeline stage run by the caller) is built on the strided generation groups
+(e_g = 1): with expert parallelism in training, the other ranks' experts are all-gathered first (experts.py).
+Otherwise a generation-layout Megatron model (t_g, p_g; the rollout engines use p_g = 1, a p_g > 1 model is a
+pipeline stage run by the caller) is built on the strided generation groups
 (parallel/generation.py) and its parameters are pointed at the Resharder's generation buffer on each
 to_generation() (hybrid: in place, see reshard.py; the model object stays the same, so a rollout engine built
 on `gen_model` once keeps working). Between transitions the generation model holds no parameter memory, and

@@ -116,8 +116,8 @@ _LM_HEAD = {"output_layer.weight": (VOCAB, ("lm_head.weight",))}
 # Tied embeddings: the last stage's output layer (PP > 1) holds a copy of the input embedding.
 _TIED_LM_HEAD = {"output_layer.weight": (VOCAB, ("model.embed_tokens.weight",))}
 _SCORE_HEAD = {"output_layer.weight": (PLAIN, ("score.weight",))}  # scalar head: Linear(h, 1), replicated
-_QK_NORM = {"decoder.layers.{i}.self_attention.q_layernorm.weight": (PLAIN, ("model.layers.{i}.self_attn.q_norm.weight",)),
-            "decoder.layers.{i}.self_attention.k_layernorm.weight": (PLAIN, ("model.layers.{i}.self_attn.k_norm.weight",))}
+_QK_NORM = {f"decoder.layers.{{i}}.self_attention.{q}_layernorm.weight":
+            (PLAIN, (f"model.layers.{{i}}.self_attn.{q}_norm.weight",)) for q in "qk"}
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ class ModelFamily:
                                p + "mlp.up_proj.weight": (d.ffn_hidden, d.hidden),
                                p + "mlp.down_proj.weight": (d.hidden, d.ffn_hidden)})
             if self.qk_norm:
-                shapes.update({p + "self_attn.q_norm.weight": (d.head_dim,), p + "self_attn.k_norm.weight": (d.head_dim,)})
+                shapes.update({p + f"self_attn.{q}_norm.weight": (d.head_dim,) for q in "qk"})
             if self.qkv_bias:
                 shapes.update({p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
                                p + "self_attn.v_proj.bias": (kv_rows,)})

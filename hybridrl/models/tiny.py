@@ -11,9 +11,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
-_CONFIG_CLASSES = {"llama": ("LlamaConfig", "Llama"), "qwen2": ("Qwen2Config", "Qwen2"), "qwen3": ("Qwen3Config", "Qwen3"),
-                   "qwen2_moe": ("Qwen2MoeConfig", "Qwen2Moe"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe"),
-                   "mixtral": ("MixtralConfig", "Mixtral")}
+_CONFIG_CLASSES = {"llama": ("LlamaConfig", "Llama"), "qwen2": ("Qwen2Config", "Qwen2"),
+                   "qwen3": ("Qwen3Config", "Qwen3"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2Moe"),
+                   "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe"), "mixtral": ("MixtralConfig", "Mixtral")}
 TINY_HEADS = ("lm", "seq_cls")
 
 
