@@ -254,7 +254,7 @@ def test_convert_with_expert_parallelism_round_trips_bit_exact(moe_models, tmp_p
 
 
 # ---- the 3D-HybridEngine with experts ----------------------------------------------------------------------
-def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor):
+def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor, bucket_mb: float):
     """Training model at `layout` -> generation model at t_g = 1 with every expert; returns per rank the
     generation logits, the expert bytes received (and the bytes this rank's experts hold), and whether the
     training weights came back bit-identical with the gathered experts' buffers freed."""
@@ -271,7 +271,7 @@ def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: to
     model = build_gpt_model(hf_config, sequence_parallel=layout.sequence_parallel)
     load_hf_weights(model, model_dir, hf_config)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = HybridEngine(model, hf_config, layout, GenerationLayout(tp=1))
+    engine = HybridEngine(model, hf_config, layout, GenerationLayout(tp=1), bucket_mb=bucket_mb)
     local_expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                              if expert_number(n) is not None)
     gen = engine.to_generation()
@@ -282,21 +282,25 @@ def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: to
     restored = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     freed = all(p.tensor.untyped_storage().size() == 0 for p in engine.experts.remote) if engine.experts else True
     return {"logits": logits[..., :VOCAB], "received": received, "local_expert_bytes": local_expert_bytes,
-            "ep": ps.get_expert_model_parallel_world_size(), "restored": restored, "freed": freed}
+            "ep": ps.get_expert_model_parallel_world_size(), "restored": restored, "freed": freed,
+            "buckets": engine.experts.collectives}
 
 
 @pytest.mark.slow
 def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, moe_models):
     """Training EP=2 (TP=1 and TP=2 with SP) -> generation t_g=1, e_g=1: each rank receives exactly the other
     expert-parallel rank's experts ((ep - 1) x its own expert bytes), the generation logits equal transformers',
-    and going back leaves the training weights bit-identical and the gathered experts freed."""
+    and going back leaves the training weights bit-identical and the gathered experts freed; with a small
+    bucket the experts travel in several all-gathers, with the same result."""
     model_dir = str(moe_models["mixtral"])
     input_ids, _ = _batch()
     ref = hf_reference(model_dir, input_ids)
     pool = dist_pool(WORLD)
-    for layout in (ParallelLayout(tp=1, dp=4, ep=2), ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True)):
-        for rank, out in enumerate(pool.run(_moe_engine_round_trip, model_dir, layout, input_ids)):
+    for layout, bucket_mb in ((ParallelLayout(tp=1, dp=4, ep=2), 32.0),
+                              (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 0.02)):
+        for rank, out in enumerate(pool.run(_moe_engine_round_trip, model_dir, layout, input_ids, bucket_mb)):
             where = f"rank {rank} at {layout.describe()}"
+            assert (out["buckets"] == 1) == (bucket_mb == 32.0), (where, out["buckets"])
             assert (out["logits"] - ref.logits).abs().max().item() <= ATOL, where
             assert out["received"] == (out["ep"] - 1) * out["local_expert_bytes"] > 0, where
             assert out["restored"] and out["freed"], where

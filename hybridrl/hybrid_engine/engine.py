@@ -82,7 +82,8 @@ class HybridEngine:
             from hybridrl.hybrid_engine.experts import ExpertGather
 
             self.experts = ExpertGather(params, inner.config.num_moe_experts,
-                                        parallel_state.get_expert_model_parallel_group())
+                                        parallel_state.get_expert_model_parallel_group(),
+                                        bucket_bytes=max(1, int(bucket_mb * (1 << 20))))
             params = self.experts.params(params)
         self.resharder = Resharder(self.groups, params, strategy,
                                    bucket_bytes=max(1, int(bucket_mb * (1 << 20))),
@@ -119,7 +120,7 @@ class HybridEngine:
                 self.last_stats.extra["expert_recv_bytes"] = expert_bytes
                 self.last_stats.recv_payload_bytes += expert_bytes
                 self.last_stats.recv_wire_bytes += expert_bytes
-                self.last_stats.collectives += len(self.experts.pairs)
+                self.last_stats.collectives += self.experts.collectives
         self.in_generation = True
         return self.gen_model
 
