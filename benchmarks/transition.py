@@ -1,6 +1,7 @@
 """Transition benchmark, part (b): exact per-GPU bytes from the plan for Llama 7B/13B/34B/70B at the
 HybridFlow paper's Fig. 14 layouts, and the projected transition time on the paper's hardware
-(hybridrl/hybrid_engine/cost_model.py states the model), beside the paper-derived 70B figures.
+(hybridrl/hybrid_engine/cost_model.py states the model), beside the paper-derived 70B figures; then the
+mixture-of-experts models (Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3) on H100 nodes beside NeMo-RL's refit times.
 
     python benchmarks/transition.py [--train-dp 1] [--dtype bf16] [--out benchmarks/results]
 
@@ -19,7 +20,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hybridrl.hybrid_engine.accounting import account_all  # noqa: E402
-from hybridrl.hybrid_engine.cost_model import PAPER_HARDWARE, groups_crossing_nodes, transition_time  # noqa: E402
+from hybridrl.hybrid_engine.cost_model import (PAPER_HARDWARE, Hardware, groups_crossing_nodes,  # noqa: E402
+                                               transition_time)
 from hybridrl.hybrid_engine.model_shapes import DTYPE_BYTES, model_shapes  # noqa: E402
 from hybridrl.hybrid_engine.plan import STRATEGIES, HybridEnginePlan  # noqa: E402
 from hybridrl.parallel.generation import GenerationLayout  # noqa: E402
@@ -39,16 +41,28 @@ FIG14_LAYOUTS = {
 PAPER_70B_SECONDS = {"openrlhf": round(78.2 / 0.891, 1), "hybridflow": round(78.2 / 0.891 - 78.2, 1)}
 LABELS = {"hybrid": "HybridFlow (hybrid)", "hybridflow_v": "HybridFlow-V", "ds_chat": "DS-Chat"}
 
+# Mixture-of-experts: model -> training (t, p, d, ep), generation (t_g, p_g, e_g). Qwen3-30B-A3B is the GPU
+# recipe's layout (configs/gpu/moe/grpo_qwen3_30b_a3b_16gpu.yaml); the rollout engines run e_g = 1, DeepSeek-V3
+# needs e_g > 1 to fit a generation shard in 80 GB (planned only).
+MOE_LAYOUTS = {
+    "qwen3-30b-a3b": ((4, 1, 4, 4), (4, 1, 1)),
+    "mixtral-8x7b": ((8, 1, 2, 2), (4, 1, 1)),
+    "deepseek-v3": ((8, 1, 32, 32), (8, 1, 8)),
+}
+H100_HARDWARE = Hardware(name="8 x H100 SXM per node, NVLink 900 GB/s, 8 x 400 Gb/s InfiniBand per node",
+                         gpus_per_node=8, nvlink_GBps=900.0, inter_node_Gbps=3200.0)
+# NeMo-RL's direct shard-to-shard refit on H100 (../shared/FACTS.md: newer anchors for weight resharding)
+NEMO_RL_REFIT_SECONDS = {"qwen3-30b-a3b": "0.74-1.0", "deepseek-v3": "2.4-2.8"}
 
-def project(model: str, train_dp: int, dtype: str) -> dict:
-    (t, p), (tg, pg) = FIG14_LAYOUTS[model]
-    train, gen = ParallelLayout(tp=t, pp=p, dp=train_dp), GenerationLayout(tp=tg, pp=pg)
+
+def project(model: str, train: ParallelLayout, gen: GenerationLayout, dtype: str,
+            hw: Hardware = PAPER_HARDWARE) -> dict:
     plan = HybridEnginePlan(train, gen, model_shapes(model), dtype_bytes=DTYPE_BYTES[dtype])
     costs = account_all(plan)
-    hw = PAPER_HARDWARE
-    row = {"model": model, "train": {"tp": t, "pp": p, "dp": train_dp}, "gen": {"tp": tg, "pp": pg},
+    row = {"model": model, "train": {"tp": train.tp, "pp": train.pp, "dp": train.dp, "ep": train.ep},
+           "gen": {"tp": gen.tp, "pp": gen.pp, "ep": gen.ep}, "hardware": hw.name,
            "gpus": train.world_size, "nodes": -(-train.world_size // hw.gpus_per_node),
-           "model_bytes": plan.model_bytes,
+           "model_bytes": plan.model_bytes, "expert_bytes": plan.expert_bytes,
            "groups_crossing_nodes": {
                "micro_dp": groups_crossing_nodes(plan.groups.micro_dp_groups(), hw),
                "gen_tp": groups_crossing_nodes(plan.groups.gen_tp_groups(), hw),
@@ -94,7 +108,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
         c = row["groups_crossing_nodes"]
         lines.append(f"| {row['model']} | {c['micro_dp']} | {c['gen_tp']} | {c['gen_pp']} | {c['train_tp']} | "
                      f"{c['train_model_parallel']} |")
-    r70 = next(r for r in rows if r["model"] == "llama-70b")["strategies"]
+    r70 = next(r for r in rows if r["model"] == "llama-70b" and not r["expert_bytes"])["strategies"]
     lines += ["", "Paper-derived 70B transition times (whole transition incl. framework overheads) beside this "
               "projection (data movement only):", "",
               "| 70B | paper (s) | projected here (s) |", "|---|---|---|",
@@ -108,6 +122,29 @@ def _markdown(rows: list[dict], meta: dict) -> str:
               f"{100 * (1 - r70['hybrid']['projected_seconds'] / r70['hybridflow_v']['projected_seconds']):.1f}% "
               f"(vs HybridFlow-V).", ""]
     return "\n".join(lines)
+
+
+def _moe_markdown(rows: list[dict]) -> str:
+    gb = 1e9
+    lines = ["", "## Mixture-of-experts, projected on H100 nodes", "",
+             f"Hardware: {H100_HARDWARE.name}; same cost model. Experts are gathered first inside the "
+             "expert-parallel group (ep / e_g ranks), then the micro-DP gather as for dense models; both "
+             "stages' times add. E = expert bytes. NeMo-RL's figures are its measured refit times (whole "
+             "refit, its own layouts); ours are the data movement alone at the layouts shown. e_g > 1 is "
+             "planned only: the rollout engines generate with every expert on each rank.", "",
+             "| model | train t,p,d,ep -> gen t_g,p_g,e_g | GPUs | M (GB) | E (GB) | strategy | recv/GPU mean (GB) "
+             "| peak extra/GPU (GB) | projected (s) | NeMo-RL refit (s) |", "|" + "---|" * 10]
+    for row in rows:
+        tr, ge = row["train"], row["gen"]
+        for name in STRATEGIES:
+            s = row["strategies"][name]
+            nemo = NEMO_RL_REFIT_SECONDS.get(row["model"], "-") if name == "hybrid" else ""
+            lines.append(
+                f"| {row['model']} | {tr['tp']},{tr['pp']},{tr['dp']},{tr['ep']} -> {ge['tp']},{ge['pp']},{ge['ep']} "
+                f"| {row['gpus']} | {row['model_bytes'] / gb:.1f} | {row['expert_bytes'] / gb:.1f} | {LABELS[name]} | "
+                f"{s['bytes_per_gpu_mean'] / gb:.3f} | {s['peak_extra_bytes_per_gpu'] / gb:.2f} | "
+                f"{s['projected_seconds']:.3f} | {nemo} |")
+    return "\n".join(lines + [""])
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -154,14 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    rows = [project(model, args.train_dp, args.dtype) for model in FIG14_LAYOUTS]
+    rows = [project(model, ParallelLayout(tp=t, pp=p, dp=args.train_dp), GenerationLayout(tp=tg, pp=pg), args.dtype)
+            for model, ((t, p), (tg, pg)) in FIG14_LAYOUTS.items()]
+    moe_rows = [project(model, ParallelLayout(tp=t, pp=p, dp=d, ep=ep), GenerationLayout(tp=tg, pp=pg, ep=eg),
+                        args.dtype, H100_HARDWARE) for model, ((t, p, d, ep), (tg, pg, eg)) in MOE_LAYOUTS.items()]
     meta = {"hardware": PAPER_HARDWARE.name, "dtype": args.dtype, "train_dp": args.train_dp,
-            "cost_model": "hybridrl/hybrid_engine/cost_model.py", "paper_70b_seconds": PAPER_70B_SECONDS}
-    paths = write_results(args.out, args.stem, {"meta": meta, "rows": rows}, _markdown(rows, meta))
+            "cost_model": "hybridrl/hybrid_engine/cost_model.py", "paper_70b_seconds": PAPER_70B_SECONDS,
+            "moe_hardware": H100_HARDWARE.name, "nemo_rl_refit_seconds": NEMO_RL_REFIT_SECONDS}
+    markdown = _markdown(rows, meta) + _moe_markdown(moe_rows)
+    paths = write_results(args.out, args.stem, {"meta": meta, "rows": rows, "moe_rows": moe_rows}, markdown)
     if not args.no_plot:
         _plot(rows, args.out / f"{args.stem}.png")
         paths.append(args.out / f"{args.stem}.png")
-    print(_markdown(rows, meta))
+    print(markdown)
     for path in paths:
         logger.info("wrote %s", path)
     return 0

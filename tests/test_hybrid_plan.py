@@ -263,6 +263,79 @@ def test_llama_preset_shapes_and_plan():
     assert set(STRATEGIES) == set(account_all(plan))
 
 
+def _synthetic_moe(num_layers: int = 4, experts: int = 8, hidden: int = 16) -> ModelShapes:
+    """Dense attention + `experts` SwiGLU experts per layer, every tensor TP-partitioned, equal stages."""
+    params = []
+    for layer in range(num_layers):
+        params += [ParamSpec(f"layers.{layer}.qkv", (3 * hidden, hidden), 0, layer, "layer"),
+                   ParamSpec(f"layers.{layer}.proj", (hidden, hidden), 1, layer, "layer")]
+        params += [spec for e in range(experts) for spec in (
+            ParamSpec(f"layers.{layer}.experts.{e}.fc1", (4 * hidden, hidden), 0, layer, "layer", GATED_HALVES, e),
+            ParamSpec(f"layers.{layer}.experts.{e}.fc2", (hidden, 2 * hidden), 1, layer, "layer", CONCAT, e))]
+    return ModelShapes("synthetic_moe", tuple(params), num_layers, 8, 8, num_experts=experts)
+
+
+def _moe_layouts():
+    for t, p, d in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8)):
+        if t * p * d > 32:
+            continue
+        for ep, tg, pg in itertools.product(divisors(d), divisors(t), divisors(p)):
+            for eg in divisors(ep):
+                yield t, p, d, ep, tg, pg, eg
+
+
+@pytest.mark.parametrize("t,p,d,ep,tg,pg,eg", list(_moe_layouts()))
+def test_accounting_with_experts_is_table2_on_dense_and_expert_parts(t, p, d, ep, tg, pg, eg):
+    """Training (t, p, ep) -> generation (t_g, p_g, e_g): every rank's bytes received, generation buffer and
+    redundancy equal Table 2 applied to the dense part (t p -> t_g p_g) and to the experts (t p ep ->
+    t_g p_g e_g) apart; hybrid holds nothing twice; the experts' first stage is inside ep / e_g ranks."""
+    train, gen = ParallelLayout(tp=t, pp=p, dp=d, ep=ep), GenerationLayout(tp=tg, pp=pg, ep=eg)
+    plan = HybridEnginePlan(train, gen, _synthetic_moe(), dtype_bytes=2)
+    m, e = plan.model_bytes, plan.expert_bytes
+    assert e == 4 * 8 * 6 * 16 * 16 * 2 and m == e + 4 * 4 * 16 * 16 * 2
+    costs = account_all(plan)
+    for strategy, cost in costs.items():
+        want = table2(strategy, m, train, gen, expert_bytes=e)
+        assert cost.mean("recv_payload") == want["comm"], strategy
+        assert cost.mean("sent_payload") == want["comm"], strategy
+        assert {Fraction(r.buffer_payload) for r in cost.ranks} == {want["peak"]}, strategy
+        assert {Fraction(r.redundant) for r in cost.ranks} == {want["redundancy"]}, strategy
+        assert cost.max("recv_padding") == 0 and cost.max("buffer_padding") == 0, strategy
+    # every rank ends with its generation shard: training bytes + what it received
+    for r in costs["hybrid"].ranks:
+        assert r.buffer_payload == plan.training_bytes(r.rank) + r.recv_payload
+    first = plan.expert_gather_groups("hybrid")
+    assert {len(g) for g in first} == ({ep // eg} if ep > eg else set())
+    for group in first:  # same TP shard and stage, consecutive expert blocks
+        coords = [train.coords(r) for r in group]
+        assert len({(c.pp, c.tp) for c in coords}) == 1
+        assert [c.dp % ep for c in coords] == list(range(coords[0].dp % ep, coords[0].dp % ep + len(group)))
+
+
+def test_moe_presets_are_the_real_models():
+    """Meta-device shapes of the MoE presets: the published parameter counts, experts split one by one."""
+    want = {"qwen3-30b-a3b": (30_532_122_624, 128, 48), "mixtral-8x7b": (46_702_792_704, 8, 32),
+            "deepseek-v3": (671_026_404_352, 256, 61)}
+    for name, (numel, experts, layers) in want.items():
+        shapes = model_shapes(name)
+        assert (shapes.numel, shapes.num_experts, shapes.num_layers) == (numel, experts, layers), name
+        by_expert = {p.expert for p in shapes.params if p.expert is not None}
+        assert by_expert == set(range(experts)), name
+    deepseek = model_shapes("deepseek-v3")
+    kinds = {p.name.split(".")[-2]: p.partition_dim for p in deepseek.params if ".layers.5." in p.name}
+    assert kinds["q_a_proj"] is None and kinds["kv_a_proj_with_mqa"] is None  # MLA down projections
+    assert kinds["q_b_proj"] == 0 and kinds["kv_b_proj"] == 0 and kinds["o_proj"] == 1
+    # 3 dense layers then 58 MoE layers of 256 experts, each 3 x 7168 x 2048
+    assert deepseek.expert_numel == 58 * 256 * 3 * 7168 * 2048
+
+
+def test_generation_expert_parallelism_must_divide_training_ep():
+    with pytest.raises(LayoutError, match="--gen-ep 4 does not divide --train-ep 2"):
+        check_generation_layout(ParallelLayout(dp=2, ep=2), GenerationLayout(ep=4))
+    with pytest.raises(LayoutError, match="ep=2 needs a mixture-of-experts model"):
+        HybridEnginePlan(ParallelLayout(dp=2, ep=2), GenerationLayout(), _synthetic(), 2)
+
+
 def test_cost_model_hand_computed():
     from hybridrl.hybrid_engine.cost_model import Hardware, groups_crossing_nodes, transition_time
 

@@ -277,13 +277,15 @@ def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: to
     gen = engine.to_generation()
     with torch.no_grad():
         logits = gen(input_ids, torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1), None)
-    received = engine.last_stats.extra.get("expert_recv_bytes", 0)
+    stats = engine.last_stats
+    received = stats.extra.get("expert_recv_bytes", 0)
     engine.to_training()
     restored = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     freed = all(p.tensor.untyped_storage().size() == 0 for p in engine.experts.remote) if engine.experts else True
     return {"logits": logits[..., :VOCAB], "received": received, "local_expert_bytes": local_expert_bytes,
             "ep": ps.get_expert_model_parallel_world_size(), "restored": restored, "freed": freed,
-            "buckets": engine.experts.collectives}
+            "buckets": engine.experts.collectives, "recv": stats.recv_payload_bytes, "buffer": stats.buffer_bytes,
+            "held": stats.held_bytes}
 
 
 @pytest.mark.slow
@@ -291,19 +293,29 @@ def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, m
     """Training EP=2 (TP=1 and TP=2 with SP) -> generation t_g=1, e_g=1: each rank receives exactly the other
     expert-parallel rank's experts ((ep - 1) x its own expert bytes), the generation logits equal transformers',
     and going back leaves the training weights bit-identical and the gathered experts freed; with a small
-    bucket the experts travel in several all-gathers, with the same result."""
+    bucket the experts travel in several all-gathers, with the same result. Bytes received, the generation
+    buffer and the memory held while generating equal the plan's accounting of that rank."""
+    from hybridrl.hybrid_engine.accounting import account
+    from hybridrl.hybrid_engine.model_shapes import model_shapes
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.parallel.generation import GenerationLayout
+
     model_dir = str(moe_models["mixtral"])
     input_ids, _ = _batch()
     ref = hf_reference(model_dir, input_ids)
     pool = dist_pool(WORLD)
     for layout, bucket_mb in ((ParallelLayout(tp=1, dp=4, ep=2), 32.0),
                               (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 0.02)):
+        plan = HybridEnginePlan(layout, GenerationLayout(tp=1), model_shapes(model_dir), dtype_bytes=4)
+        costs = account(plan, "hybrid").ranks
         for rank, out in enumerate(pool.run(_moe_engine_round_trip, model_dir, layout, input_ids, bucket_mb)):
             where = f"rank {rank} at {layout.describe()}"
             assert (out["buckets"] == 1) == (bucket_mb == 32.0), (where, out["buckets"])
             assert (out["logits"] - ref.logits).abs().max().item() <= ATOL, where
             assert out["received"] == (out["ep"] - 1) * out["local_expert_bytes"] > 0, where
             assert out["restored"] and out["freed"], where
+            assert out["recv"] == costs[rank].recv_payload and out["buffer"] == costs[rank].buffer_payload, where
+            assert out["held"] == costs[rank].buffer_payload - plan.training_bytes(rank) + costs[rank].redundant
 
 
 @pytest.mark.slow

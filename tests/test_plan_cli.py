@@ -91,11 +91,33 @@ def test_plan_from_local_config_folder(tmp_path, capsys):
     (["--model", "llama-70b", "--train-pp", "3"], "num_layers=80 is not divisible by pp*vpp=3"),
     (["--model", "llama-13b", "--train-tp", "3"], "num_attention_heads=40 is not divisible by tp=3"),
     (["--model", "llama-1b"], "neither a preset"),
+    (["--model", "qwen3-30b-a3b", "--train-dp", "4", "--train-ep", "4", "--gen-ep", "3"],
+     "--gen-ep 3 does not divide --train-ep 4"),
+    (["--model", "mixtral-8x7b", "--train-dp", "6", "--train-ep", "6"], "ep=6 needs a mixture-of-experts model "
+                                                                        "whose experts it divides (the model has 8)"),
 ])
 def test_plan_refusals(capsys, args, needle):
     assert _plan(*args) == 2
     err = capsys.readouterr().err
     assert needle in err and "hybridrl plan:" in err
+
+
+def test_plan_of_an_moe_preset(capsys):
+    """Qwen3-30B-A3B at the GPU recipe's layout (t=4, ep=4 on 16 GPUs) -> t_g=4, e_g=1: each GPU receives the
+    other three expert blocks of its TP shard and nothing else; the text report names the expert groups."""
+    assert _plan("--model", "qwen3-30b-a3b", "--train-tp", "4", "--train-dp", "4", "--train-ep", "4",
+                 "--gen-tp", "4", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    expert_bytes = report["expert_bytes"]
+    assert report["num_experts"] == 128 and report["train"]["ep"] == 4 and report["gen"]["ep"] == 1
+    assert report["expert_gather_groups"][0] == [0, 4, 8, 12]
+    hybrid = report["strategies"]["hybrid"]
+    assert hybrid["bytes_per_gpu_max"] == expert_bytes // 4 * 3 // 4
+    assert hybrid["redundant_bytes_per_gpu_max"] == 0
+    assert hybrid["bytes_per_gpu_mean"] < report["strategies"]["hybridflow_v"]["bytes_per_gpu_mean"] / 4
+    assert _plan("--model", "qwen3-30b-a3b", "--train-tp", "4", "--train-dp", "4", "--train-ep", "4",
+                 "--gen-tp", "4") == 0
+    assert "expert_gather_groups [0, 4, 8, 12]" in capsys.readouterr().out
 
 
 def test_presets_are_real_llama_sizes():

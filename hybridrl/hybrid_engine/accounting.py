@@ -13,6 +13,9 @@ Table 2 (M = model bytes): DS-Chat (tpd-1)/(tpd) M, M, M/(tpd); HybridFlow-V (tp
 HybridFlow (tp - t_g p_g)/(t_g p_g t p) M, M/(t_g p_g), 0. The per-rank means reproduce these exactly when
 every parameter is TP-partitioned; norms replicated over TP make the hybrid's generation shards hold them
 once per generation TP rank, so its exact means use M' = P + t_g*R (P partitioned, R replicated bytes).
+Mixture-of-experts (plan.py): hybrid's expert-parallel first stage adds its bytes to recv/sent; Table 2 then
+holds for the dense part D = M - E and the experts E apart, with t p ep and t_g p_g e_g as the experts'
+model-parallel sizes (table2's expert_bytes).
 """
 from __future__ import annotations
 
@@ -67,6 +70,10 @@ class StrategyCost:
 def account(plan: HybridEnginePlan, strategy: str) -> StrategyCost:
     """Per-rank bytes sent/received and buffer memory of one strategy, from per-parameter shard sizes."""
     check_strategy(strategy)
+    first: dict[int, int] = {}  # the expert-parallel first stage: equal blocks, ring all-gather
+    for group in plan.expert_gather_groups(strategy):
+        for rank in group:
+            first[rank] = (len(group) - 1) * plan.expert_share(rank, plan.train.ep)[0]
     costs: dict[int, RankCost] = {}
     for group in plan.gather_groups(strategy):
         contrib = [plan.contribution(r, strategy) for r in group]
@@ -74,18 +81,20 @@ def account(plan: HybridEnginePlan, strategy: str) -> StrategyCost:
         slot = max(c[0] + c[1] for c in contrib)
         total, n = sum(payloads), len(group)
         for i, rank in enumerate(group):
-            recv = total - payloads[i]
-            sent = total - payloads[(i + 1) % n] if n > 1 else 0
+            recv = total - payloads[i] + first.get(rank, 0)
+            sent = (total - payloads[(i + 1) % n] if n > 1 else 0) + first.get(rank, 0)
             if strategy == "hybrid":
-                # the rank's own training shard is its slot of the generation buffer (in place); only
-                # replicated tensors it holds but does not own in this group are held twice
-                redundant = plan.training_bytes(rank) - payloads[i]
-            elif strategy == "hybridflow_v":
+                # the rank's own training shard (and the experts gathered into its slot) is its slot of the
+                # generation buffer (in place); only replicated tensors it holds but does not own in this group
+                # are held twice
+                redundant = plan.training_bytes(rank) + first.get(rank, 0) - payloads[i]
+            elif strategy == "hybridflow_v":  # its training shard stays beside the gathered model
                 redundant = plan.training_bytes(rank)
             else:  # ds_chat: the rank's ZeRO-3 partition stays beside the gathered full model
                 redundant = payloads[i]
-            costs[rank] = RankCost(rank=rank, recv_payload=recv, recv_padding=(n - 1) * slot - recv,
-                                   sent_payload=sent, sent_padding=(n - 1) * slot - sent if n > 1 else 0,
+            pad_recv, pad_sent = (n - 1) * slot - (total - payloads[i]), (n - 1) * slot - (sent - first.get(rank, 0))
+            costs[rank] = RankCost(rank=rank, recv_payload=recv, recv_padding=pad_recv,
+                                   sent_payload=sent, sent_padding=pad_sent if n > 1 else 0,
                                    buffer_payload=total, buffer_padding=n * slot - total, redundant=redundant)
     return StrategyCost(strategy, tuple(costs[r] for r in sorted(costs)))
 
@@ -95,17 +104,22 @@ def account_all(plan: HybridEnginePlan) -> dict[str, StrategyCost]:
 
 
 def table2(strategy: str, model_bytes: int | Fraction, train: ParallelLayout,
-           gen: GenerationLayout) -> dict[str, Fraction]:
-    """HybridFlow Table 2 per-GPU communication, peak memory and redundancy, as exact fractions."""
+           gen: GenerationLayout, expert_bytes: int | Fraction = 0) -> dict[str, Fraction]:
+    """HybridFlow Table 2 per-GPU communication, peak memory and redundancy, as exact fractions. With experts
+    (expert_bytes E of model_bytes M) each formula is applied to the dense part and the experts apart, the
+    experts' model-parallel sizes being t p ep (training) and t_g p_g e_g (generation)."""
     check_strategy(strategy)
-    m = Fraction(model_bytes)
+    m, e = Fraction(model_bytes), Fraction(expert_bytes)
     t, p, d, tg, pg = train.tp, train.pp, train.dp, gen.tp, gen.pp
     if strategy == "ds_chat":
         return {"comm": Fraction(t * p * d - 1, t * p * d) * m, "peak": m, "redundancy": m / (t * p * d)}
+    mp, emp = t * p, t * p * train.ep
     if strategy == "hybridflow_v":
-        return {"comm": Fraction(t * p - 1, t * p) * m, "peak": m, "redundancy": m / (t * p)}
-    return {"comm": Fraction(t * p - tg * pg, tg * pg * t * p) * m, "peak": m / (tg * pg),
-            "redundancy": Fraction(0)}
+        return {"comm": Fraction(mp - 1, mp) * (m - e) + Fraction(emp - 1, emp) * e, "peak": m,
+                "redundancy": (m - e) / mp + e / emp}
+    gmp, egmp = tg * pg, tg * pg * gen.ep
+    return {"comm": Fraction(mp - gmp, gmp * mp) * (m - e) + Fraction(emp - egmp, egmp * emp) * e,
+            "peak": (m - e) / gmp + e / egmp, "redundancy": Fraction(0)}
 
 
 def hybrid_effective_bytes(plan: HybridEnginePlan) -> int:

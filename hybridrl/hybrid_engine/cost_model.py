@@ -52,14 +52,12 @@ def groups_crossing_nodes(groups: list[list[int]], hw: Hardware = PAPER_HARDWARE
     return sum(1 for g in groups if len({hw.node_of(r) for r in g}) > 1)
 
 
-def transition_time(plan: HybridEnginePlan, strategy: str, hw: Hardware = PAPER_HARDWARE) -> TransitionTime:
-    """Project one strategy's transition time on `hw` under the cost model above."""
-    check_strategy(strategy)
-    groups = plan.gather_groups(strategy)
+def _stage_times(groups: list[list[int]], slot_of, hw: Hardware) -> dict[int, tuple[float, int, int]]:
+    """Per rank (seconds, intra-node bytes, inter-node bytes) of one all-gather stage, all groups at once."""
     intra: dict[int, int] = {}
     inter: dict[int, int] = {}
     for group in groups:
-        slot = max(sum(plan.contribution(r, strategy)) for r in group)
+        slot = max(slot_of(r) for r in group)
         for rank in group:
             same = sum(1 for other in group if other != rank and hw.node_of(other) == hw.node_of(rank))
             intra[rank] = same * slot
@@ -68,13 +66,32 @@ def transition_time(plan: HybridEnginePlan, strategy: str, hw: Hardware = PAPER_
     for rank, nbytes in inter.items():
         if nbytes:
             receivers_per_node[hw.node_of(rank)] = receivers_per_node.get(hw.node_of(rank), 0) + 1
-    seconds, slowest = -1.0, 0
+    times = {}
     for rank in sorted(intra):
         t = intra[rank] / (hw.nvlink_GBps * 1e9)
         if inter[rank]:
-            share = hw.inter_node_GBps * 1e9 / receivers_per_node[hw.node_of(rank)]
-            t += inter[rank] / share
-        if t > seconds:
-            seconds, slowest = t, rank
+            t += inter[rank] / (hw.inter_node_GBps * 1e9 / receivers_per_node[hw.node_of(rank)])
+        times[rank] = (t, intra[rank], inter[rank])
+    return times
+
+
+def transition_time(plan: HybridEnginePlan, strategy: str, hw: Hardware = PAPER_HARDWARE) -> TransitionTime:
+    """Project one strategy's transition time on `hw` under the cost model above. With expert parallelism
+    there are two stages one after the other (the expert-parallel gather, then the strategy's gather): their
+    slowest ranks' times add; the bytes reported are the slowest rank's of the last stage plus its own of the
+    first."""
+    check_strategy(strategy)
+    groups = plan.gather_groups(strategy)
+    stages = [(groups, lambda r: sum(plan.contribution(r, strategy)))]
+    if plan.expert_gather_groups(strategy):
+        stages.insert(0, (plan.expert_gather_groups(strategy),
+                          lambda r: sum(plan.expert_share(r, plan.train.ep))))
+    seconds, intra, inter = 0.0, {}, {}
+    for stage_groups, slot_of in stages:
+        times = _stage_times(stage_groups, slot_of, hw)
+        seconds += max(t for t, _, _ in times.values())
+        for rank, (_, a, b) in times.items():
+            intra[rank], inter[rank] = intra.get(rank, 0) + a, inter.get(rank, 0) + b
+    slowest = max(sorted(times), key=lambda r: times[r][0])  # of the last stage
     return TransitionTime(strategy, seconds, slowest, intra[slowest], inter[slowest], len(groups),
                           groups_crossing_nodes(groups, hw))

@@ -49,6 +49,13 @@ class HybridEngine:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r}: the reshard bucket must be a positive size in MiB "
                              f"(e.g. 32)")
+        if gen_layout.ep != 1:
+            raise ValueError(f"generation expert parallelism e_g={gen_layout.ep}: the rollout engines generate with "
+                             f"every expert on each rank (e_g = 1); larger e_g is only planned (hybridrl plan "
+                             f"--gen-ep)")
+        if layout.ep > 1 and strategy == "ds_chat":
+            raise ValueError("strategy ds_chat is the ZeRO-3 baseline, which has no expert parallelism; with "
+                             f"ep={layout.ep} use hybrid or hybridflow_v")
         check_generation_layout(layout, gen_layout, num_attention_heads=hf_config.num_attention_heads,
                                 num_query_groups=getattr(hf_config, "num_key_value_heads", None),
                                 num_layers=hf_config.num_hidden_layers)
@@ -116,10 +123,13 @@ class HybridEngine:
             tensors = self.resharder.to_generation()
             attach_generation_weights(self.gen_model, tensors, self._gen_shapes)
             self.last_stats = self.resharder.last_stats
-            if self.experts is not None:
-                self.last_stats.extra["expert_recv_bytes"] = expert_bytes
+            if self.experts is not None:  # the gathered experts' buffers: allocated now, released as training
+                self.last_stats.extra["expert_recv_bytes"] = expert_bytes  # parameters with release_training
                 self.last_stats.recv_payload_bytes += expert_bytes
                 self.last_stats.recv_wire_bytes += expert_bytes
+                self.last_stats.held_bytes += expert_bytes
+                if self.resharder.release_training:
+                    self.last_stats.released_training_bytes -= expert_bytes
                 self.last_stats.collectives += self.experts.collectives
         self.in_generation = True
         return self.gen_model

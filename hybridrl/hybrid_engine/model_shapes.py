@@ -4,6 +4,10 @@ Each parameter gets Megatron-Core's tensor-parallel rule (partition dim or repli
 pipeline (embedding on the first stage, final norm and output layer on the last, layer i on stage
 i // (layers / p)). Fused tensors are described as Megatron holds them: QKV (one row block per query group)
 and the gated fc1 ([gate; up] per TP shard); the byte counts equal the separate HF tensors'.
+Mixture-of-experts layers: transformers 5 holds each layer's experts as two 3-D tensors; they are split into one
+spec per expert (`expert` = its global number), as Megatron holds them (an expert's fc1 / fc2 at the TP rules of
+a dense MLP). Routers and the shared-expert gate are replicated. Multi-head latent attention (DeepSeek-V3):
+the down projections and their norms are replicated, the up projections column-parallel, as Megatron's MLA.
 
 TODO(models/): switch to hybridrl.models' Megatron GPTModel builder on the meta device once it lands; until
 then the shapes come from the Hugging Face model built on meta plus the rule table below.
@@ -34,6 +38,7 @@ class ParamSpec:
     layer: int | None           # transformer layer index; None for embedding / final norm / output
     section: str                # "embedding" | "layer" | "final"
     regroup: str = CONCAT
+    expert: int | None = None   # global expert number of a mixture-of-experts weight; None: dense
 
     @property
     def numel(self) -> int:
@@ -48,10 +53,15 @@ class ModelShapes:
     num_layers: int
     num_attention_heads: int
     num_query_groups: int
+    num_experts: int = 0        # routed experts per MoE layer (0: dense model)
 
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def expert_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.expert is not None)
 
 
 # Real Llama-2 7B/13B/70B and CodeLlama-34B sizes (public model cards / config.json), written in code.
@@ -67,24 +77,54 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
                       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
 }
 
+# Mixture-of-experts models (their public config.json; DeepSeek-V3 without its multi-token-prediction layer,
+# which transformers does not build): preset -> (transformers config class, arguments).
+MOE_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "mixtral-8x7b": ("MixtralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5)),
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280,
+        max_position_embeddings=163840, rms_norm_eps=1e-6)),
+}
+PRESETS = (*LLAMA_PRESETS, *MOE_PRESETS)
+
 
 def load_hf_config(model: str):
-    """A preset name (llama-7b/13b/34b/70b) or a local Hugging Face config folder."""
+    """A preset name (PRESETS) or a local Hugging Face config folder."""
     if model in LLAMA_PRESETS:
         from transformers import LlamaConfig
 
         return LlamaConfig(**LLAMA_PRESETS[model], tie_word_embeddings=False)
+    if model in MOE_PRESETS:
+        import transformers
+
+        class_name, kwargs = MOE_PRESETS[model]
+        return getattr(transformers, class_name)(**kwargs, tie_word_embeddings=False)
     if os.path.isdir(model):
         from hybridrl.models.config import load_hf_config as load_folder
 
         return load_folder(model)
-    raise ValueError(f"--model {model!r} is neither a preset ({', '.join(LLAMA_PRESETS)}) nor a folder "
+    raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder "
                      f"holding a Hugging Face config.json; pass a preset name or a local model folder")
 
 
 # HF parameter-name suffix -> (partition dim, Megatron tensor it belongs to). Rows of q/k/v end up in the
-# fused QKV (column parallel), gate/up in fc1 (column parallel), o_proj / down_proj are row parallel.
+# fused QKV (column parallel), gate/up in fc1 (column parallel), o_proj / down_proj are row parallel. Fused
+# experts (per expert after the split): gate_up_proj [2I, H] is a gated fc1, down_proj [H, I] a row-parallel fc2.
 _TP_RULES: list[tuple[str, int | None, str]] = [
+    ("experts.gate_up_proj", 0, GATED_HALVES), ("experts.down_proj", 1, CONCAT),
+    ("mlp.gate.weight", None, CONCAT), ("shared_expert_gate.weight", None, CONCAT),
+    ("q_a_proj.weight", None, CONCAT), ("kv_a_proj_with_mqa.weight", None, CONCAT),
+    ("q_b_proj.weight", 0, CONCAT), ("kv_b_proj.weight", 0, CONCAT),
     ("embed_tokens.weight", 0, CONCAT),
     ("lm_head.weight", 0, CONCAT),
     ("q_proj.weight", 0, CONCAT), ("k_proj.weight", 0, CONCAT), ("v_proj.weight", 0, CONCAT),
@@ -101,7 +141,26 @@ def _rule(name: str) -> tuple[int | None, str]:
         if name.endswith(suffix):
             return dim, regroup
     raise ValueError(f"no tensor-parallel rule for parameter {name!r}; supported families: Llama-like "
-                     f"(q/k/v/o_proj, gate/up/down_proj, RMSNorm). Add a rule in hybrid_engine/model_shapes.py")
+                     f"(q/k/v/o_proj, gate/up/down_proj, RMSNorm), their mixture-of-experts variants and "
+                     f"DeepSeek-V3's latent attention. Add a rule in hybrid_engine/model_shapes.py")
+
+
+_FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _specs(name: str, shape: tuple[int, ...]) -> list[ParamSpec]:
+    """The specs of one HF parameter: one, or one per expert for a fused [experts, ...] tensor."""
+    dim, regroup = _rule(name)
+    layer: int | None = None
+    section = "final" if name.startswith("lm_head") or name.endswith("model.norm.weight") else "embedding"
+    if ".layers." in name:
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        section = "layer"
+    if name.endswith(_FUSED_EXPERTS):
+        prefix, _, leaf = name.rpartition(".")
+        return [ParamSpec(f"{prefix}.{e}.{leaf}", shape[1:], dim, layer, section, regroup, expert=e)
+                for e in range(shape[0])]
+    return [ParamSpec(name, shape, dim, layer, section, regroup)]
 
 
 def model_shapes(model: str) -> ModelShapes:
@@ -112,17 +171,12 @@ def model_shapes(model: str) -> ModelShapes:
     cfg = load_hf_config(model)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(cfg)
-    params = []
-    for name, tensor in hf_model.named_parameters():  # tied weights appear once
-        dim, regroup = _rule(name)
-        layer: int | None = None
-        section = "final" if name.startswith("lm_head") or name.endswith("model.norm.weight") else "embedding"
-        if ".layers." in name:
-            layer = int(name.split(".layers.")[1].split(".")[0])
-            section = "layer"
-        params.append(ParamSpec(name, tuple(tensor.shape), dim, layer, section, regroup))
+    params = [spec for name, tensor in hf_model.named_parameters()  # tied weights appear once
+              for spec in _specs(name, tuple(tensor.shape))]
     if getattr(cfg, "tie_word_embeddings", False):
         logger.info("%s ties input and output embeddings: counted once, on the first stage", model)
+    experts = {p.expert for p in params if p.expert is not None}
     return ModelShapes(name=os.path.basename(os.path.normpath(model)), params=tuple(params),
                        num_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                       num_query_groups=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+                       num_query_groups=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                       num_experts=len(experts))

@@ -15,6 +15,16 @@ partition dim, but only where Megatron's fused layout is interleaved finer than 
   - gated fc1 (SwiGLU): each TP shard holds [gate_i; up_i], so a concat gives [g0;u0;g1;u1] while the t_g
     shard is [g0;g1;u0;u1]: each shard is split in halves and the halves regrouped (rule GATED_HALVES).
 Both are checked against Megatron-style sharding of the full tensor in tests/test_hybrid_plan.py.
+
+Mixture-of-experts (training ep, generation e_g dividing it): a training rank holds 1/ep of each MoE layer's
+experts (block dp % ep) at its TP shard, a generation rank 1/e_g of them at its t_g shard. hybrid moves them in
+two stages: first an all-gather of the expert blocks inside ep / e_g consecutive ranks of the expert-parallel
+group (expert_gather_groups; nothing when e_g = ep), then the micro-DP all-gather as for the dense part, each
+member now contributing its gathered experts too. Per rank that is Table 2's hybrid formula applied to the dense
+part with (t p -> t_g p_g) and to the experts with (t p ep -> t_g p_g e_g); still nothing held twice.
+hybridflow_v gathers every expert inside the expert-parallel group first, then the whole model inside TP x PP;
+ds_chat (ZeRO-3, which has no expert parallelism) gathers over all ranks, each rank's partition being 1/(t p d)
+of the model (the experts split over the d / ep ranks that replicate them).
 """
 from __future__ import annotations
 
@@ -48,10 +58,13 @@ def tp_shard_elements(spec: ParamSpec, tp: int, tp_rank: int) -> tuple[int, int]
 
 @dataclass(frozen=True)
 class StageShardTable:
-    """Element counts per training stage: TP-partitioned payload/padding per TP rank, replicated per stage."""
+    """Element counts per training stage: TP-partitioned payload/padding per TP rank, replicated per stage
+    (dense parameters), and every expert's elements at each TP shard (before the split over ep)."""
     partitioned: tuple[tuple[int, ...], ...]   # [pp][tp]
     tp_padding: tuple[tuple[int, ...], ...]    # [pp][tp]
     replicated: tuple[int, ...]                # [pp]
+    experts: tuple[tuple[int, ...], ...]       # [pp][tp], all experts
+    expert_padding: tuple[tuple[int, ...], ...]  # [pp][tp], all experts
 
 
 class HybridEnginePlan:
@@ -59,7 +72,8 @@ class HybridEnginePlan:
 
     def __init__(self, train: ParallelLayout, gen: GenerationLayout, shapes: ModelShapes,
                  dtype_bytes: int = 2) -> None:
-        train.check_model(shapes.num_attention_heads, shapes.num_query_groups, shapes.num_layers)
+        train.check_model(shapes.num_attention_heads, shapes.num_query_groups, shapes.num_layers,
+                          num_experts=shapes.num_experts)
         check_generation_layout(train, gen, num_attention_heads=shapes.num_attention_heads,
                                 num_query_groups=shapes.num_query_groups, num_layers=shapes.num_layers)
         self.train, self.gen, self.shapes, self.dtype_bytes = train, gen, shapes, dtype_bytes
@@ -81,24 +95,32 @@ class HybridEnginePlan:
 
     def _stage_table(self) -> StageShardTable:
         t, p = self.train.tp, self.train.pp
-        part = [[0] * t for _ in range(p)]
-        pad = [[0] * t for _ in range(p)]
+        part, pad, expert, expert_pad = ([[0] * t for _ in range(p)] for _ in range(4))
         repl = [0] * p
         for spec in self.shapes.params:
             stage = self.train_stage_of(spec)
             if spec.partition_dim is None:
+                if spec.expert is not None:
+                    raise LayoutError(f"expert weight {spec.name} has no TP partition dim; experts are split")
                 repl[stage] += spec.numel
                 continue
+            payloads, paddings = (expert, expert_pad) if spec.expert is not None else (part, pad)
             for r in range(t):
                 payload, padding = tp_shard_elements(spec, t, r)
-                part[stage][r] += payload
-                pad[stage][r] += padding
-        return StageShardTable(tuple(map(tuple, part)), tuple(map(tuple, pad)), tuple(repl))
+                payloads[stage][r] += payload
+                paddings[stage][r] += padding
+        return StageShardTable(*(tuple(map(tuple, x)) for x in (part, pad)), tuple(repl),
+                               *(tuple(map(tuple, x)) for x in (expert, expert_pad)))
 
     @property
     def model_bytes(self) -> int:
         """M: bytes of the whole model, every parameter once."""
         return self.shapes.numel * self.dtype_bytes
+
+    @property
+    def expert_bytes(self) -> int:
+        """E: bytes of every expert weight (the routed experts; routers and shared experts are dense)."""
+        return self.shapes.expert_numel * self.dtype_bytes
 
     # ---- what each strategy gathers -----------------------------------------------------------------
     def gather_groups(self, strategy: str) -> list[list[int]]:
@@ -109,27 +131,49 @@ class HybridEnginePlan:
             return self.train.model_parallel_groups()
         return [list(self.train.ranks())]
 
+    def expert_gather_groups(self, strategy: str = "hybrid") -> list[list[int]]:
+        """The first stage with expert parallelism: inside each expert-parallel group, the ranks whose expert
+        blocks make one generation expert block all-gather them (hybrid: ep / e_g ranks; hybridflow_v: all ep,
+        it builds the whole model; ds_chat: none, ZeRO-3 has no expert parallelism). Empty when nothing moves."""
+        check_strategy(strategy)
+        size = {"hybrid": self.train.ep // self.gen.ep, "hybridflow_v": self.train.ep, "ds_chat": 1}[strategy]
+        if size == 1:
+            return []
+        return [group[i:i + size] for group in self.train.expert_parallel_groups()
+                for i in range(0, len(group), size)]
+
+    def expert_share(self, rank: int, blocks: int) -> tuple[int, int]:
+        """(payload, padding) bytes of the rank's experts when they are split in `blocks` blocks."""
+        c = self.train.coords(rank)
+        return (self.table.experts[c.pp][c.tp] // blocks * self.dtype_bytes,
+                self.table.expert_padding[c.pp][c.tp] // blocks * self.dtype_bytes)
+
     def contribution(self, rank: int, strategy: str) -> tuple[int, int]:
         """(payload, padding) bytes this rank puts into its gather. Replicated tensors (norms) are put in by
         one owner per gathered copy: the first training TP rank of the rank's generation TP shard (hybrid) or
-        TP rank 0 (baselines). ds_chat splits the model-parallel contribution evenly over the d DP ranks."""
+        TP rank 0 (baselines). The experts a first stage gathered are part of it (hybrid: 1/e_g of them,
+        hybridflow_v: all); ds_chat splits the model-parallel contribution evenly over the DP ranks that
+        replicate it (d, or d / ep for experts)."""
         check_strategy(strategy)
         c = self.train.coords(rank)
         owner_tp = (c.tp % self.groups.tp_stride == 0) if strategy == "hybrid" else c.tp == 0
-        payload = self.table.partitioned[c.pp][c.tp] + (self.table.replicated[c.pp] if owner_tp else 0)
-        padding = self.table.tp_padding[c.pp][c.tp]
-        if strategy == "ds_chat":  # flat ZeRO-3 split of the model-parallel shard over the DP ranks
-            total, d = payload + padding, self.train.dp
-            each = -(-total // d)
-            mine = max(0, min(each, total - c.dp * each))
-            mine_payload = max(0, min(mine, payload - c.dp * each))
-            return mine_payload * self.dtype_bytes, (each - mine_payload) * self.dtype_bytes
-        return payload * self.dtype_bytes, padding * self.dtype_bytes
+        dense = self.table.partitioned[c.pp][c.tp] + (self.table.replicated[c.pp] if owner_tp else 0)
+        dense_padding = self.table.tp_padding[c.pp][c.tp]
+        if strategy == "ds_chat":  # flat ZeRO-3 split of the model-parallel shard over its replicas
+            ep = self.train.ep
+            expert, expert_padding = (x // self.dtype_bytes for x in self.expert_share(rank, ep))
+            parts = [_split(dense, dense_padding, self.train.dp, c.dp),
+                     _split(expert, expert_padding, self.train.dp // ep, c.dp // ep)]
+            return tuple(sum(x) * self.dtype_bytes for x in zip(*parts))
+        expert, expert_padding = self.expert_share(rank, self.gen.ep if strategy == "hybrid" else 1)
+        return dense * self.dtype_bytes + expert, dense_padding * self.dtype_bytes + expert_padding
 
     def training_bytes(self, rank: int) -> int:
-        """Payload bytes of the rank's training-layout parameters (Megatron: its TP x PP shard)."""
+        """Payload bytes of the rank's training-layout parameters (Megatron: its TP x PP shard, 1/ep of the
+        experts)."""
         c = self.train.coords(rank)
-        return (self.table.partitioned[c.pp][c.tp] + self.table.replicated[c.pp]) * self.dtype_bytes
+        dense = (self.table.partitioned[c.pp][c.tp] + self.table.replicated[c.pp]) * self.dtype_bytes
+        return dense + self.expert_share(rank, self.train.ep)[0]
 
     # ---- composition of generation shards -----------------------------------------------------------
     def gen_shard(self, rank: int) -> GenShard:
@@ -150,6 +194,13 @@ class HybridEnginePlan:
                 "gen": {"pp": shard.gen_pp, "tp": shard.gen_tp, "dp": self.groups.gen_dp_rank(rank),
                         "micro_dp_rank": self.groups.micro_dp_rank(rank)},
                 "gen_layers": [layers.start, layers.stop], "composed_of_ranks": self.composition(rank)}
+
+
+def _split(payload: int, padding: int, parts: int, index: int) -> tuple[int, int]:
+    """(payload, padding) of part `index` of a flat ZeRO-3 split of payload + padding into equal parts."""
+    each = -(-(payload + padding) // parts)
+    mine_payload = max(0, min(each, payload - index * each))
+    return mine_payload, each - mine_payload
 
 
 # ---- regrouping tensors (used by the reshard; pure torch, checked against Megatron-style sharding) ------

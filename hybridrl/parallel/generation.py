@@ -27,12 +27,17 @@ class GenShard(NamedTuple):
 
 @dataclass(frozen=True)
 class GenerationLayout:
-    """Generation model parallelism (t_g, p_g); the generation DP size follows from the training layout."""
+    """Generation model parallelism (t_g, p_g, e_g); the generation DP size follows from the training layout.
+    e_g (expert parallelism while generating) divides the training ep: each generation rank holds the
+    experts of e_g's block of the training expert blocks, so the expert-parallel gather stays inside
+    ep / e_g training ranks. The rollout engines generate with e_g = 1 (every expert on each rank); larger
+    e_g is planned and accounted (`hybridrl plan --gen-ep`) for the projections."""
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"generation {name} must be a positive integer, got {value!r}")
@@ -89,6 +94,9 @@ def check_generation_layout(train: ParallelLayout, gen: GenerationLayout, *,
         problems.append(f"--train-pp {train.pp} is not divisible by --gen-pp {gen.pp}")
     elif num_layers is not None and num_layers % gen.pp:
         problems.append(f"num_layers={num_layers} is not divisible by --gen-pp {gen.pp}")
+    if train.ep % gen.ep:
+        problems.append(f"--gen-ep {gen.ep} does not divide --train-ep {train.ep} (a generation rank's experts "
+                        f"are whole training expert blocks; choose --gen-ep in {divisors(train.ep)})")
     if problems:
         raise LayoutError(
             "invalid generation layout: " + "; ".join(problems)

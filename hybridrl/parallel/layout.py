@@ -108,6 +108,12 @@ class ParallelLayout:
         """TP x PP group of each DP replica, ordered by model-parallel rank (pp-major, tp-minor)."""
         return [[self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
 
+    def expert_parallel_groups(self) -> list[list[int]]:
+        """The `ep` consecutive DP replicas that split the experts (Megatron's order tp-ep-dp-pp): DP rank
+        dp holds expert block dp % ep; dp // ep is its expert-data-parallel rank."""
+        return [[self.rank(p, edp * self.ep + e, t) for e in range(self.ep)]
+                for p in range(self.pp) for edp in range(self.dp // self.ep) for t in range(self.tp)]
+
     def group_of(self, rank: int, groups: list[list[int]]) -> list[int]:
         for group in groups:
             if rank in group:
