@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "ignore_eos")
 # Micro-batches pack sequences up to this many tokens (None: micro_batch_size sequences, one per row).
 DEFAULT_MAX_TOKENS_PER_MICRO_BATCH = 8192
-ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "bucket_mb", "max_model_len", "max_batch_size", "options")
+ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "bucket_mb", "max_model_len", "max_batch_size", "options",
+                       "routing")
 
 
 def _model_path(model: str | None) -> str:
@@ -152,8 +153,8 @@ class Actor(_Role):
     """The policy: trains in `parallel` (tp, pp; dp fills the pool), generates in `rollout` (tp) through the
     3D-HybridEngine.
 
-    rollout: engine (native | vllm), tp, reshard (hybrid | ds_chat | hybridflow_v), bucket_mb, max_model_len, and the
-    default sampling (n, temperature, top_p, top_k, max_new_tokens). optim: lr, weight_decay, betas,
+    rollout: engine (native | vllm), tp, reshard (hybrid | ds_chat | hybridflow_v), bucket_mb, max_model_len, routing
+    (mixture-of-experts: off | measure | replay, models/routing_replay.py), and the default sampling (n, temperature, top_p, top_k, max_new_tokens). optim: lr, weight_decay, betas,
     clip_grad, warmup_steps, use_distributed_optimizer. loss: clip_ratio, entropy_coef, kl_loss_coef,
     kl_estimator (PolicyLossConfig). moe (models with experts): aux_loss_coef, z_loss_coef of the routers.
     """
@@ -249,7 +250,7 @@ class Actor(_Role):
 
     def compute_log_probs(self, sequences: Any) -> torch.Tensor:
         """[B, R] log-probs of the responses under the current policy (training layout)."""
-        return self.group.compute_log_probs(_as_sequences(sequences).select(*_SEQUENCE_KEYS))["old_log_probs"]
+        return self.group.compute_log_probs(_policy_inputs(sequences))["old_log_probs"]
 
     def update(self, states: Any = None, actions: Any = None, advantages: torch.Tensor | None = None, *,
                old_log_probs: torch.Tensor | None = None, ref_log_probs: torch.Tensor | None = None,
@@ -262,7 +263,7 @@ class Actor(_Role):
             raise ValueError("actor.update needs advantages ([B] or [B, R])")
         if states is not None:
             check_prompts(self.tokenizer, states, _as_sequences(actions), "actor.update(states=...)")
-        data = _as_sequences(actions).select(*_SEQUENCE_KEYS)
+        data = _policy_inputs(actions)
         mask = data["response_mask"].float()
         advantages = torch.as_tensor(advantages, dtype=torch.float32)
         if advantages.dim() == 1:
@@ -331,7 +332,8 @@ class RolloutReplicas(_Role):
         self.metas = {rank: info["metas"] for rank, info in enumerate(per_rank)}
         spec = {"engine": engine, "tp": tp, "max_model_len": actor.engine_spec.get("max_model_len", 512),
                 "max_batch_size": max_batch_size, "pad_token_id": actor.engine_spec["pad_token_id"],
-                "stop_token_ids": actor.engine_spec["stop_token_ids"]}
+                "stop_token_ids": actor.engine_spec["stop_token_ids"],
+                "routing": actor.engine_spec.get("routing", "off")}
         model = {"path": actor.model_path, "dtype": actor.dtype}
         super().__init__(RolloutWorker, "rollout", resource_pool, {"tp": tp},
                          {"model": model, "rollout": spec, "padded_vocab_size": per_rank[0]["padded_vocab_size"],
@@ -711,6 +713,14 @@ def check_prompts(tokenizer: Any, prompts: Any, sequences: Batch, caller: str) -
 
 
 _SEQUENCE_KEYS = ("prompts", "responses", "attention_mask", "response_mask")
+
+
+def _policy_inputs(sequences: Any) -> Batch:
+    """What the actor's forwards read: the sequences, and the experts the rollout routed them to when it
+    recorded them (mixture-of-experts models, rollout routing measure / replay)."""
+    sequences = _as_sequences(sequences)
+    recorded = ("routed_experts",) if "routed_experts" in sequences.tensors.keys() else ()
+    return sequences.select(*_SEQUENCE_KEYS, *recorded)
 
 
 def merge_replicas(results: list, pad_token_id: int = 0) -> Batch:

@@ -93,6 +93,10 @@ class RolloutConfig:
     # with a pool of its own: a generation in progress takes new weights at once, interrupted sequences resuming
     # with them (per-token policy versions kept); false: new weights wait for the generations queued before them
     partial: bool = False
+    # mixture-of-experts: keep the experts the rollout routed each token to, and route the actor's forwards
+    # (old log-probs, update) the same way (routing_replay); record_routing only measures moe/routing_mismatch
+    routing_replay: bool = False
+    record_routing: bool = False
     # multi-turn episodes (rollout/multiturn.py); env None: one prompt -> one response
     env: Optional[str] = None  # a registered environment (charset_turns, tool_answer) or "package.module:Class"
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's constructor arguments

@@ -34,7 +34,7 @@ BAD = {
     "rollout.engine": "sglang", "rollout.tp": 0, "rollout.pp": 2, "rollout.n": 0, "rollout.temperature": -1,
     "rollout.top_p": 1.5, "rollout.top_k": -2, "rollout.max_new_tokens": 0, "rollout.ignore_eos": "maybe",
     "rollout.reshard": "weird", "rollout.bucket_mb": 0, "rollout.max_model_len": 0, "rollout.max_batch_size": 0, "rollout.pool": "''",
-    "rollout.partial": "maybe",
+    "rollout.partial": "maybe", "rollout.routing_replay": "maybe", "rollout.record_routing": "maybe",
     "rollout.env": "no_such_env", "rollout.env_kwargs": "{turns: 2}", "rollout.max_turns": 0,
     "rollout.max_episode_tokens": 0, "rollout.turn_discount": 1.5,
     "reward.fn": "no_such_module_xyz:score", "reward.cost_fn": "no_such_module_xyz:cost",

@@ -318,6 +318,107 @@ def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, m
             assert out["held"] == costs[rank].buffer_payload - plan.training_bytes(rank) + costs[rank].redundant
 
 
+# ---- routing replay ------------------------------------------------------------------------------------------
+def _choose_from_noisy_scores(hook, seed: int):
+    """Make a generation router pick its experts from perturbed scores, its gate weights staying the clean
+    scores at those experts: the rollout engine choosing otherwise at near-ties, as other kernels or another
+    precision do on GPU (on CPU in fp32 the native engine and the trainer choose alike)."""
+    generator = torch.Generator().manual_seed(seed)
+    own = hook.get_replay_topk
+
+    def noisy(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        def choose(values, k, num_groups=None, group_topk=None):
+            noise = 0.5 * values.detach().std() * torch.randn(values.shape, generator=generator)
+            _, index = default_compute_topk(values + noise.to(values.dtype), k, num_groups=num_groups,
+                                            group_topk=group_topk)
+            return values.gather(1, index), index
+        return own(scores, topk, num_groups, group_topk, choose)
+    hook.get_replay_topk = noisy
+
+
+def _routing_replay_round(model_dir: str, layout: ParallelLayout, prompts: list[list[int]]):
+    """Generate through the hybrid engine with the rollout's routing recorded (once as the trainer routes, once
+    choosing at perturbed scores), then the trainer's log-probs of the same tokens with the recording ignored,
+    measured and replayed. Returns, on the last stage's TP rank 0, log-prob gaps and routing mismatch shares."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.hybrid_engine.engine import HybridEngine
+    from hybridrl.models.routing_replay import ExpertRouting
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.rollout import SamplingParams
+    from hybridrl.rollout.native import NativeRolloutEngine
+    from hybridrl.workers.megatron_model import MegatronModel, ModelSpec
+    from hybridrl.workers.policy import response_log_probs
+
+    initialize_model_parallel(layout)
+    model = MegatronModel(ModelSpec(model_dir, micro_batch_size=2, max_tokens_per_micro_batch=48,
+                                    sequence_parallel=layout.sequence_parallel))
+    engine = HybridEngine(model.model, model.hf_config, layout, GenerationLayout(tp=1))
+    rollout = NativeRolloutEngine(engine.gen_model, max_model_len=64, vocab_size=VOCAB, record_routing=True)
+    params = SamplingParams(max_new_tokens=12, seed=3)
+
+    def log_probs(batch, mode):
+        model.routing_mode = mode
+        out = model.forward(batch, lambda mb, logits: response_log_probs(
+            mb, logits, VOCAB, model.tp_group if model.tp > 1 else None)[0], {"response_mask": batch["response_mask"]})
+        mismatch = model.routing_mismatch() if mode else None
+        if out is None:
+            return None, mismatch
+        mask = batch["response_mask"].bool()
+        return (out - batch["rollout_log_probs"]).abs()[mask], mismatch
+
+    results = {}
+    for case in ("same", "perturbed"):
+        engine.to_generation()
+        if case == "perturbed":
+            for index, hook in ExpertRouting.of(engine.gen_model).layers:
+                _choose_from_noisy_scores(hook, seed=100 + index)
+        batch = rollout.generate(prompts, params)
+        engine.to_training()
+        routed = batch["routed_experts"]
+        results[case] = {"shape": tuple(routed.shape),
+                         "recorded": int((routed[..., 0] >= 0).sum()), "real": int(batch["attention_mask"].sum())}
+        for mode in (None, "measure", "replay"):
+            results[case][mode] = log_probs(batch, mode)
+    last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    return results if last else None
+
+
+@pytest.mark.slow
+def test_routing_replay_makes_the_trainer_route_as_the_rollout(dist_pool, moe_models):
+    """rollout.routing_replay: the native engine records each token's experts per MoE layer; the trainer's
+    forward (packed rows, several micro-batches, sequence parallel or pipeline stages) reads them at the right
+    tokens. When the rollout routes as the trainer would, the trainer measures no mismatch. When the rollout
+    chooses otherwise at near-ties, the trainer without replay routes some tokens elsewhere (logged as
+    moe/routing_mismatch) and their log-probs move away from the rollout's; with replay its log-probs equal the
+    rollout's (the first update's importance ratio pi_trainer / pi_rollout is 1 to fp32 precision)."""
+    model_dir = str(moe_models["qwen3_moe"])
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 3, 7, 8, 4, 6, 2)]
+    pool = dist_pool(WORLD)
+    for layout in (ParallelLayout(tp=1, dp=4, ep=2), ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True),
+                   ParallelLayout(tp=1, pp=2, dp=2, ep=2)):
+        outs = [o for o in pool.run(_routing_replay_round, model_dir, layout, prompts) if o is not None]
+        assert outs, layout
+        for out in outs:
+            where = layout.describe()
+            same, perturbed = out["same"], out["perturbed"]
+            # one MoE layer (the second is dense), top-2; every real token but each sequence's last is recorded
+            assert same["shape"][2:] == (1, 2), where
+            assert same["recorded"] == same["real"] - len(prompts), where
+            gap, mismatch = same["measure"]
+            assert mismatch == 0.0 and gap.max() <= 1e-5, (where, mismatch, gap.max())
+            assert same["replay"][1] == 0.0 and same["replay"][0].max() <= 1e-5, where
+            plain, measured = perturbed[None][0], perturbed["measure"]
+            assert torch.equal(plain, measured[0]), where  # measuring does not change the forward
+            assert 0.05 < measured[1] < 0.9, (where, measured[1])
+            assert plain.max() > 1e-3, (where, plain.max())  # 100x the gap left with replay
+            replay_gap, replay_mismatch = perturbed["replay"]
+            assert replay_gap.max() <= 1e-5, (where, replay_gap.max())
+            assert replay_mismatch == measured[1], where  # counted before replacing: the same tokens differ
+
+
 @pytest.mark.slow
 def test_grpo_moe_config_learns_with_expert_parallelism(ray_two_devices):
     """configs/grpo_moe_tiny.yaml (EP=2): reward first < 0.3 -> last five > 0.7; the generation model (all
@@ -342,6 +443,27 @@ def test_grpo_moe_config_learns_with_expert_parallelism(ray_two_devices):
                                     "actor.parallel.sequence_parallel=true"], "grpo_moe_tiny.yaml")
     for key in ("reward_mean", "response_length_mean", "actor/pg_loss"):  # grads carry the aux loss too
         assert math.isclose(history[0][key], dense_layout[key], rel_tol=1e-4, abs_tol=1e-6), key
+
+
+@pytest.mark.slow
+def test_routing_replay_in_the_trainer(ray_two_devices):
+    """grpo_moe_tiny with rollout.routing_replay=true: the rollout's experts travel with the sequences to the
+    actor's old-log-prob and update forwards; moe/routing_mismatch is logged (the colocated rollout routes as
+    the trainer: next to nothing differs) and the rollout's log-probs equal the trainer's. The plan refuses it
+    for a dense model and for multi-turn episodes, before any worker starts."""
+    from test_trainer_e2e import run_steps
+
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.trainer.plan import plan_run
+
+    _, history = run_steps(["trainer.steps=2", "rollout.routing_replay=true"], "grpo_moe_tiny.yaml")
+    for m in history:
+        assert 0.0 <= m["moe/routing_mismatch"] <= 0.01, m["moe/routing_mismatch"]
+        assert m["mismatch/log_prob_diff"] < 1e-5
+    with pytest.raises(ConfigError, match="rollout.record_routing=true records which experts .* has no experts"):
+        plan_run(load_config(None, ["rollout.record_routing=true"]))
+    with pytest.raises(ConfigError, match="rollout.routing_replay=true with multi-turn episodes"):
+        plan_run(load_config("grpo_moe_tiny.yaml", ["rollout.routing_replay=true", "rollout.env=charset_turns"]))
 
 
 def test_qwen3_30b_a3b_recipe_plans_on_the_real_architecture(tmp_path):

@@ -12,6 +12,9 @@ the n samples of prompt 0 first, matching `Batch.repeat_interleave(n)`):
   non-tensor "finish_reasons": "stop" | "length"; meta {"sampling": params as a dict}.
   "policy_versions"   [B, R]    only from partial rollouts (workers/rollout.py): the policy version that
                                 generated each token (-1 on padding)
+  "routed_experts"    [B, P+R, L, k]  only when the engine records routing (mixture-of-experts models): the
+                                experts each input position was routed to in every MoE layer, int16, -1
+                                where nothing was routed (padding, the last token); models/routing_replay.py
 
 A multi-turn episode (rollout/multiturn.py) has the same layout: its "responses" hold every token after the
 first prompt (model turns and the environment's observations, in order); "attention_mask" is 1 on all of
@@ -127,6 +130,7 @@ class GeneratedSequence:
     extra: dict[str, Any] = field(default_factory=dict)
     model_mask: list[int] | None = None  # per token: 1 generated, 0 context (an observation); None: all 1
     versions: list[int] | None = None  # per token: the policy version that generated it (partial rollouts)
+    routing: torch.Tensor | None = None  # [len(prompt) + len(tokens), moe_layers, topk] experts (record_routing)
 
 
 def finish_reason(tokens: Sequence[int], params: SamplingParams) -> str:
@@ -169,6 +173,14 @@ def assemble_batch(sequences: list[GeneratedSequence], params: SamplingParams, p
             if seq.tokens:
                 versions[row, :len(seq.tokens)] = torch.tensor(seq.versions, dtype=torch.long)
         tensors["policy_versions"] = versions
+    if any(s.routing is not None for s in sequences):
+        shape = next(s.routing for s in sequences if s.routing is not None).shape[1:]
+        routed = torch.full((num, prompt_len + response_len, *shape), -1, dtype=torch.int16)
+        for row, seq in enumerate(sequences):
+            if seq.routing is not None:
+                p = len(seq.prompt)
+                routed[row, prompt_len - p:prompt_len + len(seq.tokens)] = seq.routing
+        tensors["routed_experts"] = routed
     return Batch(tensors, non_tensors={"finish_reasons": [s.finish_reason for s in sequences]},
                  meta={"sampling": params.to_dict()})
 
@@ -250,6 +262,10 @@ def concat_batches(batches: list[Any], pad_token_id: int) -> Any:
                    "rollout_log_probs": pad(b["rollout_log_probs"], (0, right), value=0.0)}
         if "policy_versions" in b.tensors:
             tensors["policy_versions"] = pad(b["policy_versions"], (0, right), value=-1)
+        if "routed_experts" in b.tensors:  # [B, P+R, L, k]: pad dim 1 on both sides of the prompt/response cut
+            routed = b["routed_experts"]
+            tensors["routed_experts"] = torch.cat([pad(routed[:, :p], (0, 0, 0, 0, left, 0), value=-1),
+                                                   pad(routed[:, p:], (0, 0, 0, 0, 0, right), value=-1)], 1)
         if set(b.tensors.keys()) != set(tensors):
             raise ValueError(f"concat_batches: unexpected fields {sorted(set(b.tensors.keys()) ^ set(tensors))}")
         padded.append(Batch(tensors, dict(b.non_tensors), meta))

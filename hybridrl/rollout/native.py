@@ -14,6 +14,9 @@ per-row positions (cumsum of the mask) through `position_ids`.
 Any generation TP: every rank of the generation TP group runs this same loop; logits are gathered over
 the TP group (`runtime_gather_output`), and all ranks sample with one seed, so they draw the same tokens
 with no extra communication. Pipeline parallelism at generation (p_g > 1) is not supported: p_g = 1.
+
+record_routing (mixture-of-experts models): the experts every forward routed each token to are kept per
+sequence (prompt and response positions; models/routing_replay.py), for the trainer to replay or compare.
 """
 from __future__ import annotations
 
@@ -53,10 +56,12 @@ class NativeRolloutEngine(RolloutEngine):
         vocab_size: the real vocabulary (Megatron may pad the output layer; padded logits are dropped).
         max_batch_size: rows decoded together; the KV cache holds max_batch_size x max_model_len.
         pad_token_id: filler for padding in the returned Batch (never attended to).
+        record_routing: keep each token's experts (a mixture-of-experts model) in the Batch's
+            "routed_experts".
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, vocab_size: int | None = None,
-                 max_batch_size: int = 32, pad_token_id: int = 0) -> None:
+                 max_batch_size: int = 32, pad_token_id: int = 0, record_routing: bool = False) -> None:
         super().__init__()
         self.model = model
         gpt = _unwrap(model)
@@ -75,6 +80,14 @@ class NativeRolloutEngine(RolloutEngine):
         self.tp_group = getattr(pg_collection, "tp", None)
         self.device = next(gpt.parameters()).device
         self._context = None  # StaticInferenceContext, built lazily, dropped by release()
+        self.routing = None
+        if record_routing:
+            from hybridrl.models.routing_replay import ExpertRouting
+
+            self.routing = ExpertRouting.of(gpt)
+            if self.routing is None:
+                raise ValueError("record_routing (rollout.record_routing / rollout.routing_replay) needs a "
+                                 "mixture-of-experts model; this one has no experts")
 
     # ---- KV cache ----------------------------------------------------------------------------------
     def _inference_context(self):
@@ -150,6 +163,8 @@ class NativeRolloutEngine(RolloutEngine):
                                                                 params.max_new_tokens, self.device)
         was_training = self.model.training
         self.model.eval()
+        if self.routing is not None:
+            self.routing.set_mode("record")
         try:
             sequences: list[GeneratedSequence] = []
             interrupted = False
@@ -163,6 +178,8 @@ class NativeRolloutEngine(RolloutEngine):
                 sequences.extend(done)
         finally:
             self.model.train(was_training)
+            if self.routing is not None:
+                self.routing.set_mode(None)
         return sequences
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, context) -> torch.Tensor:
@@ -185,10 +202,17 @@ class NativeRolloutEngine(RolloutEngine):
         stop_ids = torch.tensor(stops or [-1], dtype=torch.long, device=dev)
 
         context = self._inference_context()
+        routed = None  # [batch, total_len, moe_layers, topk]: experts per input position (record_routing)
+        if self.routing is not None:
+            routed = torch.full((batch, total_len, self.routing.num_moe_layers, self.routing.topk), -1,
+                                dtype=torch.int16)
         # Prefill: all prompt positions at once. Megatron masks where the mask is True.
         allowed = causal[:prompt_len, :prompt_len].unsqueeze(0) & is_real[:, None, :prompt_len]
         logits = self._forward(tokens[:, :prompt_len], positions[:, :prompt_len], ~allowed.unsqueeze(1), context)
         context.sequence_len_offset += prompt_len
+        if routed is not None:  # routers see tokens sequence-major: [prompt_len * batch, ...]
+            routed[:, :prompt_len] = self.routing.take_recorded().view(prompt_len, batch, *routed.shape[2:]) \
+                .transpose(0, 1).cpu()
 
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         interrupted = False
@@ -217,6 +241,8 @@ class NativeRolloutEngine(RolloutEngine):
             decode_mask = ~is_real[:, None, None, :pos + 1]  # the new query sees every real key so far
             logits = self._forward(tokens[:, pos:pos + 1], positions[:, pos:pos + 1], decode_mask, context)
             context.sequence_len_offset += 1
+            if routed is not None:
+                routed[:, pos] = self.routing.take_recorded().cpu()
 
         out = []
         for i, ids in enumerate(rows):
@@ -225,5 +251,7 @@ class NativeRolloutEngine(RolloutEngine):
             reason = finish_reason(generated, params)
             out.append(GeneratedSequence(prompt=list(ids), tokens=generated,
                                          log_probs=log_probs[i, :count].tolist(),
-                                         finish_reason="interrupted" if interrupted and reason == "length" else reason))
+                                         finish_reason="interrupted" if interrupted and reason == "length" else reason,
+                                         routing=None if routed is None else
+                                         routed[i, prompt_len - len(ids):prompt_len + count].clone()))
         return out, interrupted

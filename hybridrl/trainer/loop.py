@@ -134,7 +134,8 @@ class RLTrainer:
         rollout = {"engine": plan.rollout_engine, "tp": r.tp, "reshard": r.reshard, "bucket_mb": r.bucket_mb,
                    "max_model_len": plan.max_model_len,
                    "max_batch_size": r.max_batch_size, "n": r.n, "temperature": r.temperature, "top_p": r.top_p,
-                   "top_k": r.top_k, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
+                   "top_k": r.top_k, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos,
+                   "routing": "replay" if r.routing_replay else "measure" if r.record_routing else "off"}
         loss = {"clip_ratio": cfg.algorithm.clip_ratio, "entropy_coef": cfg.algorithm.entropy_coef,
                 "kl_estimator": self.kl_estimator, "rollout_correction": cfg.algorithm.rollout_correction,
                 "rollout_correction_cap": cfg.algorithm.rollout_correction_cap,

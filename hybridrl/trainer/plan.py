@@ -80,6 +80,23 @@ def _plan_rollout_pool(cfg: Any, plan: RunPlan, pools: dict[str, int], held: dic
     plan.rollout_ahead = {"sync": 0, "one_step_off": 1, "async": cfg.algorithm.max_staleness}[mode]
 
 
+def _check_routing_record(roll: Any, plan: RunPlan) -> None:
+    """rollout.routing_replay / record_routing: a mixture-of-experts actor, the native engine, single turns."""
+    option = "rollout.routing_replay" if roll.routing_replay else "rollout.record_routing"
+    if not (roll.routing_replay or roll.record_routing):
+        return
+    from hybridrl.models import load_hf_config
+    from hybridrl.models.families import ModelDims
+
+    path = plan.roles["actor"].model_path
+    _check(ModelDims.from_hf(load_hf_config(path)).moe is not None,
+           f"{option}=true records which experts each token was routed to; the actor's model {path} has no "
+           f"experts: unset it")
+    _check(plan.rollout_engine == "native", f"{option}=true: only the native engine reports its routing; "
+                                            f"rollout.engine resolved to {plan.rollout_engine}: set rollout.engine=native")
+    _check(not roll.env, f"{option}=true with multi-turn episodes (rollout.env) is not supported yet: unset one")
+
+
 def _episode_tokens(roll: Any) -> int:
     return roll.max_episode_tokens or 2 * roll.max_turns * roll.max_new_tokens
 
@@ -320,6 +337,7 @@ def plan_run(cfg: Any) -> RunPlan:
 
     actor = plan.roles["actor"].layout
     plan.rollout_engine = _rollout_engine(roll.engine, plan.roles["actor"].model_path)
+    _check_routing_record(roll, plan)
     _plan_rollout_pool(cfg, plan, pools, held)
     _check(actor.tp % roll.tp == 0 and roll.tp <= actor.tp,
            f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.tp} (a generation shard is regrouped from "

@@ -37,6 +37,13 @@ class RolloutSpec:
     pad_token_id: int = 0
     stop_token_ids: tuple[int, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)  # engine options (e.g. vLLM's)
+    # mixture-of-experts: off, or the rollout records each token's experts and the actor's forwards "measure"
+    # how many they route otherwise (moe/routing_mismatch) or "replay" them (models/routing_replay.py)
+    routing: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.routing not in ("off", "measure", "replay"):
+            raise ValueError(f"rollout routing={self.routing!r}; choose off, measure or replay")
 
 
 class _LogProbMixin:
@@ -63,6 +70,7 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
 
         self.model = MegatronModel(model_spec(model, self.layout), seed=seed)
         self.rollout_spec = RolloutSpec(**{**rollout, "stop_token_ids": tuple(rollout.get("stop_token_ids", ()))})
+        self.model.routing_mode = None if self.rollout_spec.routing == "off" else self.rollout_spec.routing
         self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout,
                                    GenerationLayout(tp=self.rollout_spec.tp), strategy=self.rollout_spec.reshard,
                                    bucket_mb=self.rollout_spec.bucket_mb)
@@ -77,6 +85,7 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         options = dict(spec.options)
         if spec.engine == "native":
             options.setdefault("max_batch_size", spec.max_batch_size)
+            options.setdefault("record_routing", spec.routing != "off")
         else:  # vLLM's TP group must be the hybrid engine's strided generation TP group
             options.setdefault("tp_groups", self.hybrid.groups.gen_tp_groups())
         return build_rollout_engine({"engine": spec.engine, "tp": spec.tp}, model=self.hybrid.gen_model,

@@ -81,13 +81,15 @@ def model_spec(model: dict[str, Any], layout: Any, **fixed: Any) -> ModelSpec:
     return ModelSpec.from_dict({**model, **fixed, "sequence_parallel": layout.sequence_parallel})
 
 
-def rollout_rows(data: Batch, multiple_of: int = 1) -> PackedSequences:
+def rollout_rows(data: Batch, multiple_of: int = 1, with_routing: bool = False) -> PackedSequences:
     """Pack a rollout Batch (prompts / responses / attention_mask) into causal rows whose width is a multiple
     of `multiple_of` (sequence parallelism splits the sequence over TP ranks). Every real response token is
-    packed, observations of a multi-turn episode too; response_mask later picks the ones trained on."""
+    packed, observations of a multi-turn episode too; response_mask later picks the ones trained on.
+    with_routing: the rollout's recorded experts ("routed_experts") are packed along."""
     prompt_width = data["prompts"].shape[1]
+    routing = data["routed_experts"] if with_routing and "routed_experts" in data.tensors else None
     return pack(data["prompts"], data["attention_mask"][:, :prompt_width], data["responses"],
-                data["attention_mask"][:, prompt_width:], multiple_of=multiple_of)
+                data["attention_mask"][:, prompt_width:], multiple_of=multiple_of, routing=routing)
 
 
 class MegatronModel:
@@ -122,6 +124,10 @@ class MegatronModel:
         self.scheduler = None
         self.model = model
         self.routing = None  # a mixture-of-experts model's routers, watched during updates
+        # what the forwards do with a rollout's recorded experts: None ignore, "measure" count the tokens routed
+        # otherwise (moe/routing_mismatch), "replay" also route them as recorded (models/routing_replay.py)
+        self.routing_mode: str | None = None
+        self._forward_mismatch: float | None = None  # of the last forward-only pass (the old log-probs)
         if spec.optim is not None:
             self._make_trainable(spec.optim)
             if model.config.num_moe_experts:
@@ -171,26 +177,41 @@ class MegatronModel:
                              max_tokens=self.spec.max_tokens_per_micro_batch, share_rows=shares_rows(),
                              uniform=parallel_state.get_pipeline_model_parallel_world_size() > 1, device=device())
 
+    def _packed(self, data: Batch) -> PackedSequences:
+        return rollout_rows(data, self.tp if self.spec.sequence_parallel else 1,
+                            with_routing=self.routing_mode is not None)
+
     def _run(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from hybridrl.models.routing_replay import ExpertRouting
+
+        experts = ExpertRouting.of(self.inner) if "routed_experts" in micro_batches[0] else None
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if experts is not None:  # this micro-batch's recorded experts, just before its forward
+                experts.load_targets(mb["routed_experts"])
             output = model(mb["input_ids"], mb["position_ids"], attention_mask=mb.get("attention_mask"))
             return output, functools.partial(loss_fn, mb)
 
         rows, width = micro_batches[0]["input_ids"].shape
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
-            num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=rows,
-            forward_only=forward_only)
+        if experts is not None:
+            experts.set_mode(self.routing_mode)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+                num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=rows,
+                forward_only=forward_only)
+        finally:
+            if experts is not None:
+                experts.set_mode(None)
 
     def forward(self, data: Batch, per_micro_batch: Callable[[dict, torch.Tensor], torch.Tensor],
                 extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Forward only: `per_micro_batch(mb, output) -> [b, ...]` on the last stage; returns the rows'
         results concatenated (filler rows dropped) on the last stage, None on earlier stages."""
-        packed = rollout_rows(data, self.tp if self.spec.sequence_parallel else 1)
-        micro_batches, order = self._micro_batches(packed, extra or {})
+        micro_batches, order = self._micro_batches(self._packed(data), extra or {})
 
         def loss_fn(mb, output):
             return torch.zeros((), device=output.device), {"out": per_micro_batch(mb, output).detach()}
@@ -202,6 +223,8 @@ class MegatronModel:
                 outputs = self._run(micro_batches, loss_fn, forward_only=True)
         finally:
             self.model.train(was_training)
+        if "routed_experts" in micro_batches[0]:
+            self._forward_mismatch = self.routing_mismatch()
         if not self.is_last_stage:
             return None
         return restore_order(torch.cat([o["out"].cpu() for o in outputs]), order)
@@ -215,6 +238,7 @@ class MegatronModel:
             raise ValueError(f"{role}: {len(data)} rows on this DP rank cannot make {mini_batches} mini-batches")
         history = [self.train_step(part, loss_terms, {k: part[k] for k in keys}, units)
                    for _ in range(epochs) for part in data.chunk(mini_batches)]
+        self._forward_mismatch = None  # the old log-probs' pass belonged to this update
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
     def train_step(self, data: Batch, loss_terms: Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]],
@@ -231,8 +255,7 @@ class MegatronModel:
 
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model (built without optim)")
-        packed = rollout_rows(data, self.tp if self.spec.sequence_parallel else 1)
-        micro_batches, _ = self._micro_batches(packed, extra)
+        micro_batches, _ = self._micro_batches(self._packed(data), extra)
         local_tokens = sum(float((mb["response_mask"] * mb["row_valid"].unsqueeze(1)).sum()) for mb in micro_batches)
         local_units = local_tokens if units is None else sum(units(mb) for mb in micro_batches)
         total = torch.tensor([local_units], dtype=torch.float64, device=micro_batches[0]["input_ids"].device)
@@ -254,6 +277,10 @@ class MegatronModel:
             self.routing.start()
         outputs = self._run(micro_batches, loss_fn, forward_only=False)
         routing = self.routing.finish(len(micro_batches)) if self.routing is not None else {}
+        if "routed_experts" in micro_batches[0]:  # the rollout vs the trainer before this update, when known
+            update_mismatch = self.routing_mismatch()
+            routing["moe/routing_mismatch"] = update_mismatch if self._forward_mismatch is None else \
+                self._forward_mismatch
         if self._grads_finite():
             ok, grad_norm, _ = self.optimizer.step()
         else:  # never let NaN/inf reach the weights (or a checkpoint): skip this step on every rank
@@ -274,6 +301,16 @@ class MegatronModel:
                     result[key] = float(sum(o[key] * o["_tokens"] for o in outputs) / total)
         return result
 
+
+    def routing_mismatch(self) -> float:
+        """Share of recorded (token, MoE layer) pairs the forwards since the last call routed to other experts
+        than the rollout (a collective over the role's ranks); the counts start again."""
+        from hybridrl.models.routing_replay import ExpertRouting
+
+        experts = ExpertRouting.of(self.inner)
+        share = experts.mismatch()
+        experts.reset_counts()
+        return share
 
     def _grads_finite(self) -> bool:
         """All-rank agreement that every gradient is finite (a collective over the role's process group)."""

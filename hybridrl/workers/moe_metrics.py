@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.models.routing_replay import layer_pattern
+
 
 class RoutingTracker:
     def __init__(self, model: Any) -> None:
@@ -26,7 +28,7 @@ class RoutingTracker:
         config = model.config
         self.num_experts, self.num_layers = config.num_moe_experts, config.num_layers
         self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
-        self.moe_layers = [i for i, moe in enumerate(_layer_pattern(config)) if moe]
+        self.moe_layers = [i for i, moe in enumerate(layer_pattern(config)) if moe]
         # with sequence parallelism each TP rank routes its own slice of the tokens; without, all see the same
         self.tp_copies = 1 if config.sequence_parallel else parallel_state.get_tensor_model_parallel_world_size()
         self.active = False
@@ -69,10 +71,3 @@ class RoutingTracker:
         per_layer_mean = counts.mean(dim=1).clamp(min=1.0)
         metrics["moe/load_imbalance"] = float((counts.max(dim=1).values / per_layer_mean).mean())
         return metrics
-
-
-def _layer_pattern(config: Any) -> list[bool]:
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return [i % freq == 0 for i in range(config.num_layers)]
-    return [bool(x) for x in freq]

@@ -42,6 +42,7 @@ class RolloutWorker(Worker):
         options = dict(self.spec.options)
         if self.spec.engine == "native":
             options.setdefault("max_batch_size", self.spec.max_batch_size)
+            options.setdefault("record_routing", self.spec.routing != "off")
         else:  # vLLM runs SPMD over each replica's TP ranks (this pool's process group)
             options.setdefault("tp_groups", self.layout.tp_groups())
         self.engine = build_rollout_engine({"engine": self.spec.engine, "tp": self.layout.tp}, model=self.model,
@@ -185,5 +186,7 @@ class RolloutWorker(Worker):
                     row.log_probs += more.log_probs
                     row.versions += [self.version] * len(more.tokens)
                     row.finish_reason = more.finish_reason
+                    if more.routing is not None:  # the resumed forward routed the whole sequence again
+                        row.routing = more.routing
             segment += 1
         return assemble_batch(rows, params, engine.pad_token_id)

@@ -12,7 +12,8 @@ Micro-batches (`micro_batches`) come in two shapes:
   `max_tokens_per_micro_batch` allows. A sequence never straddles rows, so attention costs what the padded
   batch costs at most, and no micro-batch computes on rows of padding.
 Each micro-batch carries, per sequence, `row_of` / `seq_start` (where it lives) and the caller's per-sequence
-tensors; `gather_at` reads a model output at per-sequence columns.
+tensors; `gather_at` reads a model output at per-sequence columns. Recorded expert routing (mixture-of-experts
+rollouts, models/routing_replay.py) is packed like the tokens: "routed_experts" [rows, width, layers, topk].
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class PackedSequences:
     lengths: torch.Tensor  # [B] real tokens per row
     prompt_lengths: torch.Tensor  # [B]
     response_width: int  # R: width of the response tensors this was built from
+    routing: torch.Tensor | None = None  # [B, L, moe_layers, topk] experts per packed token (-1: none)
 
     @property
     def batch_size(self) -> int:
@@ -34,20 +36,28 @@ class PackedSequences:
 
 
 def pack(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-         response_mask: torch.Tensor, pad_id: int = 0, multiple_of: int = 1) -> PackedSequences:
-    """Concatenate each row's real prompt and response tokens; right-pad to a common (rounded) length."""
+         response_mask: torch.Tensor, pad_id: int = 0, multiple_of: int = 1,
+         routing: torch.Tensor | None = None) -> PackedSequences:
+    """Concatenate each row's real prompt and response tokens; right-pad to a common (rounded) length.
+    routing [B, P+R, ...] (per token of prompts ++ responses) is packed the same way."""
     prompt_lengths = prompt_mask.sum(-1).long()
     response_lengths = response_mask.sum(-1).long()
     lengths = prompt_lengths + response_lengths
     width = int(lengths.max().item()) if lengths.numel() else 1
     width = max(1, -(-width // multiple_of) * multiple_of)
     out = torch.full((prompts.shape[0], width), pad_id, dtype=prompts.dtype)
+    packed_routing = None
+    if routing is not None:
+        packed_routing = torch.full((prompts.shape[0], width, *routing.shape[2:]), -1, dtype=routing.dtype)
+        real = torch.cat([prompt_mask, response_mask], dim=1).bool()
     for row in range(prompts.shape[0]):
         p = prompts[row][prompt_mask[row].bool()]
         r = responses[row][response_mask[row].bool()]
         out[row, : p.numel()] = p
         out[row, p.numel(): p.numel() + r.numel()] = r
-    return PackedSequences(out, lengths, prompt_lengths, responses.shape[1])
+        if routing is not None:
+            packed_routing[row, : p.numel() + r.numel()] = routing[row][real[row]]
+    return PackedSequences(out, lengths, prompt_lengths, responses.shape[1], packed_routing)
 
 
 def _first_fit_rows(lengths: list[int], width: int, share_rows: bool) -> list[list[int]]:
@@ -111,10 +121,16 @@ def micro_batches(packed: PackedSequences, extra: dict[str, torch.Tensor], *, mi
                 start_of.append(start)
                 start += n
         index = torch.tensor(seq, dtype=torch.long)
+        if packed.routing is not None:  # placed like the tokens; -1 (route as usual) elsewhere
+            routed = torch.full((num_rows, width, *packed.routing.shape[2:]), -1, dtype=packed.routing.dtype)
+            for i, r, start in zip(seq, row_of, start_of):
+                routed[r, start:start + lengths[i]] = packed.routing[i, :lengths[i]]
         mb = {"input_ids": ids, "position_ids": positions, "row_of": torch.tensor(row_of),
               "seq_start": torch.tensor(start_of), "lengths": packed.lengths[index],
               "prompt_lengths": packed.prompt_lengths[index], "row_valid": torch.ones(len(seq)),
               **{k: v[index] for k, v in extra.items()}}
+        if packed.routing is not None:
+            mb["routed_experts"] = routed
         if any(len(members) > 1 for members in group):  # block-diagonal causal; True = masked (Megatron)
             causal = torch.ones((width, width), dtype=torch.bool).tril()
             allowed = causal & (blocks[:, :, None] == blocks[:, None, :])
