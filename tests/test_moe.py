@@ -254,8 +254,9 @@ def test_convert_with_expert_parallelism_round_trips_bit_exact(moe_models, tmp_p
 
 
 # ---- the 3D-HybridEngine with experts ----------------------------------------------------------------------
-def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor, bucket_mb: float):
-    """Training model at `layout` -> generation model at t_g = 1 with every expert; returns per rank the
+def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor, bucket_mb: float,
+                           gen_tp: int = 1):
+    """Training model at `layout` -> generation model at t_g = gen_tp with every expert; returns per rank the
     generation logits, the expert bytes received (and the bytes this rank's experts hold), and whether the
     training weights came back bit-identical with the gathered experts' buffers freed."""
     from megatron.core import parallel_state as ps
@@ -271,12 +272,13 @@ def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: to
     model = build_gpt_model(hf_config, sequence_parallel=layout.sequence_parallel)
     load_hf_weights(model, model_dir, hf_config)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = HybridEngine(model, hf_config, layout, GenerationLayout(tp=1), bucket_mb=bucket_mb)
+    engine = HybridEngine(model, hf_config, layout, GenerationLayout(tp=gen_tp), bucket_mb=bucket_mb)
     local_expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                              if expert_number(n) is not None)
     gen = engine.to_generation()
     with torch.no_grad():
-        logits = gen(input_ids, torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1), None)
+        logits = gen(input_ids, torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1), None,
+                     runtime_gather_output=True)
     stats = engine.last_stats
     received = stats.extra.get("expert_recv_bytes", 0)
     engine.to_training()
@@ -290,7 +292,7 @@ def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: to
 
 @pytest.mark.slow
 def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, moe_models):
-    """Training EP=2 (TP=1 and TP=2 with SP) -> generation t_g=1, e_g=1: each rank receives exactly the other
+    """Training EP=2 (TP=1 and TP=2 with SP) -> generation t_g=1 or 2, e_g=1: each rank receives exactly the other
     expert-parallel rank's experts ((ep - 1) x its own expert bytes), the generation logits equal transformers',
     and going back leaves the training weights bit-identical and the gathered experts freed; with a small
     bucket the experts travel in several all-gathers, with the same result. Bytes received, the generation
@@ -304,12 +306,13 @@ def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, m
     input_ids, _ = _batch()
     ref = hf_reference(model_dir, input_ids)
     pool = dist_pool(WORLD)
-    for layout, bucket_mb in ((ParallelLayout(tp=1, dp=4, ep=2), 32.0),
-                              (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 0.02)):
-        plan = HybridEnginePlan(layout, GenerationLayout(tp=1), model_shapes(model_dir), dtype_bytes=4)
+    for layout, bucket_mb, gen_tp in ((ParallelLayout(tp=1, dp=4, ep=2), 32.0, 1),
+                                      (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 0.02, 1),
+                                      (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 32.0, 2)):
+        plan = HybridEnginePlan(layout, GenerationLayout(tp=gen_tp), model_shapes(model_dir), dtype_bytes=4)
         costs = account(plan, "hybrid").ranks
-        for rank, out in enumerate(pool.run(_moe_engine_round_trip, model_dir, layout, input_ids, bucket_mb)):
-            where = f"rank {rank} at {layout.describe()}"
+        for rank, out in enumerate(pool.run(_moe_engine_round_trip, model_dir, layout, input_ids, bucket_mb, gen_tp)):
+            where = f"rank {rank} at {layout.describe()} -> t_g={gen_tp}"
             assert (out["buckets"] == 1) == (bucket_mb == 32.0), (where, out["buckets"])
             assert (out["logits"] - ref.logits).abs().max().item() <= ATOL, where
             assert out["received"] == (out["ep"] - 1) * out["local_expert_bytes"] > 0, where
@@ -362,7 +365,7 @@ def _routing_replay_round(model_dir: str, layout: ParallelLayout, prompts: list[
         model.routing_mode = mode
         out = model.forward(batch, lambda mb, logits: response_log_probs(
             mb, logits, VOCAB, model.tp_group if model.tp > 1 else None)[0], {"response_mask": batch["response_mask"]})
-        mismatch = model.routing_mismatch() if mode else None
+        mismatch = model.forward_routing_mismatch if mode else None
         if out is None:
             return None, mismatch
         mask = batch["response_mask"].bool()

@@ -127,7 +127,7 @@ class MegatronModel:
         # what the forwards do with a rollout's recorded experts: None ignore, "measure" count the tokens routed
         # otherwise (moe/routing_mismatch), "replay" also route them as recorded (models/routing_replay.py)
         self.routing_mode: str | None = None
-        self._forward_mismatch: float | None = None  # of the last forward-only pass (the old log-probs)
+        self.forward_routing_mismatch: float | None = None  # of the last forward-only pass (the old log-probs)
         if spec.optim is not None:
             self._make_trainable(spec.optim)
             if model.config.num_moe_experts:
@@ -224,7 +224,7 @@ class MegatronModel:
         finally:
             self.model.train(was_training)
         if "routed_experts" in micro_batches[0]:
-            self._forward_mismatch = self.routing_mismatch()
+            self.forward_routing_mismatch = self.routing_mismatch()
         if not self.is_last_stage:
             return None
         return restore_order(torch.cat([o["out"].cpu() for o in outputs]), order)
@@ -238,7 +238,7 @@ class MegatronModel:
             raise ValueError(f"{role}: {len(data)} rows on this DP rank cannot make {mini_batches} mini-batches")
         history = [self.train_step(part, loss_terms, {k: part[k] for k in keys}, units)
                    for _ in range(epochs) for part in data.chunk(mini_batches)]
-        self._forward_mismatch = None  # the old log-probs' pass belonged to this update
+        self.forward_routing_mismatch = None  # the old log-probs' pass belonged to this update
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
     def train_step(self, data: Batch, loss_terms: Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]],
@@ -279,8 +279,8 @@ class MegatronModel:
         routing = self.routing.finish(len(micro_batches)) if self.routing is not None else {}
         if "routed_experts" in micro_batches[0]:  # the rollout vs the trainer before this update, when known
             update_mismatch = self.routing_mismatch()
-            routing["moe/routing_mismatch"] = update_mismatch if self._forward_mismatch is None else \
-                self._forward_mismatch
+            routing["moe/routing_mismatch"] = update_mismatch if self.forward_routing_mismatch is None else \
+                self.forward_routing_mismatch
         if self._grads_finite():
             ok, grad_norm, _ = self.optimizer.step()
         else:  # never let NaN/inf reach the weights (or a checkpoint): skip this step on every rank
