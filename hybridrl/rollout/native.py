@@ -58,10 +58,13 @@ class NativeRolloutEngine(RolloutEngine):
         pad_token_id: filler for padding in the returned Batch (never attended to).
         record_routing: keep each token's experts (a mixture-of-experts model) in the Batch's
             "routed_experts".
+        fast_forward: prefill and decode with rollout/fast_decode.py where it covers the model (else, and
+            with record_routing, Megatron's own forward with its inference context).
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, vocab_size: int | None = None,
-                 max_batch_size: int = 32, pad_token_id: int = 0, record_routing: bool = False) -> None:
+                 max_batch_size: int = 32, pad_token_id: int = 0, record_routing: bool = False,
+                 fast_forward: bool = True) -> None:
         super().__init__()
         self.model = model
         gpt = _unwrap(model)
@@ -80,6 +83,15 @@ class NativeRolloutEngine(RolloutEngine):
         self.tp_group = getattr(pg_collection, "tp", None)
         self.device = next(gpt.parameters()).device
         self._context = None  # StaticInferenceContext, built lazily, dropped by release()
+        self._fast = None
+        if fast_forward and not record_routing:
+            from hybridrl.rollout.fast_decode import FastForward, unsupported
+
+            reason = unsupported(gpt)
+            if reason is None:
+                self._fast = FastForward(gpt, self.tp_group, self.max_model_len)
+            else:
+                logger.info("native engine: Megatron's forward (the lean one does not cover %s)", reason)
         self.routing = None
         if record_routing:
             from hybridrl.models.routing_replay import ExpertRouting
@@ -100,13 +112,15 @@ class NativeRolloutEngine(RolloutEngine):
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache holds right now (0 before the first generate and after release())."""
-        if self._context is None:
-            return 0
-        return sum(t.numel() * t.element_size() for kv in self._context.key_value_memory_dict.values() for t in kv)
+        caches = [] if self._context is None else list(self._context.key_value_memory_dict.values())
+        caches += self._fast.cache if self._fast is not None else []
+        return sum(t.numel() * t.element_size() for kv in caches for t in kv)
 
     def release(self) -> None:
         """Free the KV cache (the attention layers re-allocate it on the next generate after wake())."""
         self._context = None
+        if self._fast is not None:
+            self._fast.release()
         super().release()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
@@ -182,9 +196,16 @@ class NativeRolloutEngine(RolloutEngine):
                 self.routing.set_mode(None)
         return sequences
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, context) -> torch.Tensor:
-        logits = self.model(tokens, positions, mask, inference_context=context, runtime_gather_output=True)
-        return logits[:, -1, :self.vocab_size].float()
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, offset: int,
+                 context) -> torch.Tensor:
+        """Logits of the last position; allowed [B, 1, S, offset + S]: True where a query may see a key."""
+        if self._fast is not None:
+            logits = self._fast(tokens, positions, allowed, offset)
+        else:  # Megatron masks where the mask is True
+            logits = self.model(tokens, positions, ~allowed, inference_context=context, runtime_gather_output=True)
+            context.sequence_len_offset += tokens.shape[1]
+            logits = logits[:, -1]
+        return logits[:, :self.vocab_size].float()
 
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
                         interrupt: Callable[[], bool] | None = None) -> tuple[list[GeneratedSequence], bool]:
@@ -201,15 +222,18 @@ class NativeRolloutEngine(RolloutEngine):
         stops = list(params.effective_stop_token_ids)
         stop_ids = torch.tensor(stops or [-1], dtype=torch.long, device=dev)
 
-        context = self._inference_context()
+        if self._fast is not None:
+            context = None
+            self._fast.reset(batch, next(_unwrap(self.model).parameters()).dtype, dev)
+        else:
+            context = self._inference_context()
         routed = None  # [batch, total_len, moe_layers, topk]: experts per input position (record_routing)
         if self.routing is not None:
             routed = torch.full((batch, total_len, self.routing.num_moe_layers, self.routing.topk), -1,
                                 dtype=torch.int16)
-        # Prefill: all prompt positions at once. Megatron masks where the mask is True.
+        # Prefill: all prompt positions at once.
         allowed = causal[:prompt_len, :prompt_len].unsqueeze(0) & is_real[:, None, :prompt_len]
-        logits = self._forward(tokens[:, :prompt_len], positions[:, :prompt_len], ~allowed.unsqueeze(1), context)
-        context.sequence_len_offset += prompt_len
+        logits = self._forward(tokens[:, :prompt_len], positions[:, :prompt_len], allowed.unsqueeze(1), 0, context)
         if routed is not None:  # routers see tokens sequence-major: [prompt_len * batch, ...]
             routed[:, :prompt_len] = self.routing.take_recorded().view(prompt_len, batch, *routed.shape[2:]) \
                 .transpose(0, 1).cpu()
@@ -238,9 +262,8 @@ class NativeRolloutEngine(RolloutEngine):
                 interrupted = True
                 break
             positions[:, pos] = positions[:, pos - 1] + 1
-            decode_mask = ~is_real[:, None, None, :pos + 1]  # the new query sees every real key so far
-            logits = self._forward(tokens[:, pos:pos + 1], positions[:, pos:pos + 1], decode_mask, context)
-            context.sequence_len_offset += 1
+            seen = is_real[:, None, None, :pos + 1]  # the new query sees every real key so far
+            logits = self._forward(tokens[:, pos:pos + 1], positions[:, pos:pos + 1], seen, pos, context)
             if routed is not None:
                 routed[:, pos] = self.routing.take_recorded().cpu()
 

@@ -1,0 +1,151 @@
+"""A lean forward of a dense Megatron GPTModel for the native engine's prefill and decode steps.
+
+Megatron-Core's module stack costs ~10 ms of Python per decode step on a 25M model (inference context,
+rotary tables rebuilt per layer, transposes for its [seq, batch] layout, masked softmax): on CPU that is the
+gap to transformers' generate. This forward reads the same parameters (the live generation-layout weights the
+hybrid engine writes in place) and computes the same function with fewer, larger ops:
+  - the embedding, the layer norms (also Qwen3's q/k norms), the final norm and the output layer are the
+    model's own modules (exact by construction, vocab-parallel included);
+  - the fused QKV and gated fc1 are one matmul each, split per query group / into [gate; up] as Megatron
+    lays them out; the row-parallel projections sum over the generation TP group (all-reduce), then add
+    their bias, as RowParallelLinear does;
+  - RoPE at column positions with Megatron's frequencies (its inv_freq, interpolation factor), the keys and
+    values in a preallocated cache [batch, groups, max_len, head_dim] written in place, attention by
+    scaled_dot_product_attention over the cache with the engine's mask (grouped-query: enable_gqa).
+`unsupported(gpt)` names what it does not cover (mixture-of-experts layers, other attention or norm types,
+interleaved rotary, ...); the engine then keeps Megatron's path. tests/test_rollout_native.py checks both paths
+give the same tokens and log-probs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def unsupported(gpt: Any) -> str | None:
+    """Why this forward cannot run `gpt` (None: it can)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    config = gpt.config
+    if getattr(config, "num_moe_experts", None):
+        return "mixture-of-experts layers"
+    if getattr(config, "multi_latent_attention", False):
+        return "multi-latent attention"
+    if config.normalization != "RMSNorm":
+        return f"normalization {config.normalization}"
+    if gpt.position_embedding_type not in ("rope", "learned_absolute"):
+        return f"position embedding {gpt.position_embedding_type}"
+    if gpt.position_embedding_type == "rope" and (type(gpt.rotary_pos_emb) is not RotaryEmbedding
+                                                   or gpt.rotary_pos_emb.rotary_interleaved):
+        return "this rotary embedding variant"
+    if config.apply_residual_connection_post_layernorm or config.softmax_scale is not None:
+        return "post-norm residuals or a custom softmax scale"
+    if config.gated_linear_unit and config.activation_func is not F.silu:
+        return "a gated unit other than SwiGLU"
+    for layer in gpt.decoder.layers:
+        if not hasattr(layer.self_attention, "linear_qkv") or hasattr(layer.mlp, "router"):
+            return "a layer without fused QKV or with experts"
+    return None
+
+
+class FastForward:
+    """Prefill / decode forward of one generation-layout GPTModel with its own KV cache."""
+
+    def __init__(self, gpt: Any, tp_group: Any, max_len: int) -> None:
+        config = gpt.config
+        self.gpt, self.tp_group, self.max_len = gpt, tp_group, max_len
+        self.tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
+        self.heads = config.num_attention_heads // self.tp
+        self.groups = (config.num_query_groups or config.num_attention_heads) // self.tp
+        self.head_dim = config.kv_channels
+        self.gated = config.gated_linear_unit
+        self.activation = config.activation_func
+        self.layers = list(gpt.decoder.layers)
+        self.rope = gpt.rotary_pos_emb if gpt.position_embedding_type == "rope" else None
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ---- cache and rotary tables ---------------------------------------------------------------------------
+    def reset(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, self.groups, self.max_len, self.head_dim)
+        if not self.cache or self.cache[0][0].shape != shape or self.cache[0][0].dtype != dtype:
+            self.cache = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                          for _ in self.layers]
+        if self.rope is not None and self._cos_sin is None:
+            inv_freq = self.rope.inv_freq.to(device)
+            seq = torch.arange(self.max_len, device=device, dtype=inv_freq.dtype)
+            if self.rope.seq_len_interpolation_factor is not None:
+                seq *= 1 / self.rope.seq_len_interpolation_factor
+            freqs = torch.outer(seq, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rot_dim], Megatron's non-interleaved layout
+            self._cos_sin = (torch.cos(emb), torch.sin(emb))
+
+    def release(self) -> None:
+        self.cache, self._cos_sin = [], None
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on x [B, n, S, d] with cos/sin [S, rot_dim] (the first rot_dim channels rotate)."""
+        rot = cos.shape[-1]
+        head, rest = x[..., :rot], x[..., rot:]
+        x1, x2 = head.chunk(2, dim=-1)
+        out = head * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            torch.distributed.all_reduce(x, group=self.tp_group)
+        return x
+
+    @staticmethod
+    def _add_bias(x: torch.Tensor, linear: Any) -> torch.Tensor:
+        bias = getattr(linear, "bias", None)
+        return x if bias is None else x + bias
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, offset: int) -> torch.Tensor:
+        """Logits [B, V_padded / tp gathered to V_padded] of the last position. tokens / positions [B, S] at
+        columns offset..offset+S-1; attend [B, 1, S, offset+S] True where a query may see a key."""
+        gpt = self.gpt
+        batch, length = tokens.shape
+        end = offset + length
+        # a padding query sees no key at all: let it see itself, so its (unused) output and cached key/value stay
+        # finite (Megatron's masked softmax gives such rows uniform weights instead)
+        columns = torch.arange(length, device=tokens.device)
+        attend = attend.clone()
+        attend[:, :, columns, offset + columns] = True
+        hidden = gpt.embedding(input_ids=tokens, position_ids=positions).transpose(0, 1)  # [B, S, H]
+        if self.rope is not None:
+            cos, sin = (t[offset:end] for t in self._cos_sin)
+        per_group = self.heads // self.groups
+        for layer, (k_cache, v_cache) in zip(self.layers, self.cache):
+            attn = layer.self_attention
+            qkv = self._add_bias(F.linear(layer.input_layernorm(hidden), attn.linear_qkv.weight), attn.linear_qkv)
+            qkv = qkv.view(batch, length, self.groups, per_group + 2, self.head_dim)
+            q = qkv[:, :, :, :per_group].reshape(batch, length, self.heads, self.head_dim).transpose(1, 2)
+            k, v = qkv[:, :, :, per_group].transpose(1, 2), qkv[:, :, :, per_group + 1].transpose(1, 2)
+            q, k = attn.q_layernorm(q), attn.k_layernorm(k)
+            if self.rope is not None:
+                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            k_cache[:batch, :, offset:end] = k
+            v_cache[:batch, :, offset:end] = v
+            context = F.scaled_dot_product_attention(q, k_cache[:batch, :, :end], v_cache[:batch, :, :end],
+                                                     attn_mask=attend, enable_gqa=per_group > 1)
+            context = context.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
+            out = self._reduce(F.linear(context, attn.linear_proj.weight))
+            hidden = hidden + self._add_bias(out, attn.linear_proj)
+            mlp = layer.mlp
+            fc1 = self._add_bias(F.linear(layer.pre_mlp_layernorm(hidden), mlp.linear_fc1.weight), mlp.linear_fc1)
+            if self.gated:
+                gate, up = fc1.chunk(2, dim=-1)
+                fc1 = self.activation(gate) * up
+            else:
+                fc1 = self.activation(fc1)
+            out = self._reduce(F.linear(fc1, mlp.linear_fc2.weight))
+            hidden = hidden + self._add_bias(out, mlp.linear_fc2)
+        last = gpt.decoder.final_layernorm(hidden[:, -1:]).transpose(0, 1)  # [1, B, H]
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        logits, _ = gpt.output_layer(last, weight=weight, runtime_gather_output=True)
+        return logits[0]
