@@ -64,14 +64,14 @@ class FastForward:
         self.activation = config.activation_func
         self.layers = list(gpt.decoder.layers)
         self.rope = gpt.rotary_pos_emb if gpt.position_embedding_type == "rope" else None
-        self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cache: list[tuple[torch.Tensor, ...]] = []
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- cache and rotary tables ---------------------------------------------------------------------------
     def reset(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (batch, self.groups, self.max_len, self.head_dim)
         if not self.cache or self.cache[0][0].shape != shape or self.cache[0][0].dtype != dtype:
-            self.cache = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            self.cache = [tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
                           for _ in self.layers]
         if self.rope is not None and self._cos_sin is None:
             inv_freq = self.rope.inv_freq.to(device)
@@ -105,7 +105,8 @@ class FastForward:
 
     # ---- forward ---------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, offset: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
+                 offset: int) -> torch.Tensor:
         """Logits [B, V_padded / tp gathered to V_padded] of the last position. tokens / positions [B, S] at
         columns offset..offset+S-1; attend [B, 1, S, offset+S] True where a query may see a key."""
         gpt = self.gpt
