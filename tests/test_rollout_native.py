@@ -263,12 +263,15 @@ def family_dirs(tmp_path_factory):
     common = dict(vocab_size=128, hidden=64, heads=4, kv_heads=2, layers=2)
     return {"llama_gqa_tied": str(create_tiny_model(root / "llama", seed=3, tie=True, **common)),
             "qwen2_bias": str(create_tiny_model(root / "qwen2", "qwen2", seed=4, **common)),
-            "qwen3_qk_norm": str(create_tiny_model(root / "qwen3", "qwen3", seed=5, **common))}
+            "qwen3_qk_norm": str(create_tiny_model(root / "qwen3", "qwen3", seed=5, **common)),
+            "qwen3_moe": str(create_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=6, **common)),
+            "qwen2_moe_shared": str(create_tiny_model(root / "qwen2_moe", "qwen2_moe", seed=7, **common))}
 
 
 def test_lean_forward_equals_megatron_forward(dist_pool, family_dirs):
     """The native engine's lean prefill/decode forward gives Megatron's tokens and log-probs (<= 1e-5) for
-    grouped-query attention with tied embeddings, Qwen2's qkv bias and Qwen3's q/k norms, at t_g = 1 and 2."""
+    grouped-query attention with tied embeddings, Qwen2's qkv bias, Qwen3's q/k norms and mixture-of-experts
+    layers (Qwen3-MoE; Qwen2-MoE's shared expert), at t_g = 1 and 2."""
     pool = dist_pool(2)
     for tp in (1, 2):
         out = pool.run(_lean_vs_megatron, family_dirs, tp)[0]

@@ -11,10 +11,12 @@ hybrid engine writes in place) and computes the same function with fewer, larger
     their bias, as RowParallelLinear does;
   - RoPE at column positions with Megatron's frequencies (its inv_freq, interpolation factor), the keys and
     values in a preallocated cache [batch, groups, max_len, head_dim] written in place, attention by
-    scaled_dot_product_attention over the cache with the engine's mask (grouped-query: enable_gqa).
-`unsupported(gpt)` names what it does not cover (mixture-of-experts layers, other attention or norm types,
-interleaved rotary, ...); the engine then keeps Megatron's path. tests/test_rollout_native.py checks both paths
-give the same tokens and log-probs.
+    scaled_dot_product_attention over the cache with the engine's mask (grouped-query: enable_gqa);
+  - a mixture-of-experts layer's MLP is the model's own MoE module (router, dispatcher, experts, shared
+    expert; its routing hooks fire as in Megatron's path).
+`unsupported(gpt)` names what it does not cover (other attention or norm types, interleaved rotary, ...); the
+engine then keeps Megatron's path. tests/test_rollout_native.py checks both paths give the same tokens and
+log-probs.
 """
 from __future__ import annotations
 
@@ -29,8 +31,6 @@ def unsupported(gpt: Any) -> str | None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     config = gpt.config
-    if getattr(config, "num_moe_experts", None):
-        return "mixture-of-experts layers"
     if getattr(config, "multi_latent_attention", False):
         return "multi-latent attention"
     if config.normalization != "RMSNorm":
@@ -45,8 +45,8 @@ def unsupported(gpt: Any) -> str | None:
     if config.gated_linear_unit and config.activation_func is not F.silu:
         return "a gated unit other than SwiGLU"
     for layer in gpt.decoder.layers:
-        if not hasattr(layer.self_attention, "linear_qkv") or hasattr(layer.mlp, "router"):
-            return "a layer without fused QKV or with experts"
+        if not hasattr(layer.self_attention, "linear_qkv"):
+            return "a layer without fused QKV"
     return None
 
 
@@ -103,6 +103,19 @@ class FastForward:
         bias = getattr(linear, "bias", None)
         return x if bias is None else x + bias
 
+    def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(mlp, "router"):  # Megatron's MoE layer on its [seq, batch, hidden] layout
+            out, bias = mlp(x.transpose(0, 1).contiguous())
+            out = out.transpose(0, 1)
+            return out if bias is None else out + bias
+        fc1 = self._add_bias(F.linear(x, mlp.linear_fc1.weight), mlp.linear_fc1)
+        if self.gated:
+            gate, up = fc1.chunk(2, dim=-1)
+            fc1 = self.activation(gate) * up
+        else:
+            fc1 = self.activation(fc1)
+        return self._add_bias(self._reduce(F.linear(fc1, mlp.linear_fc2.weight)), mlp.linear_fc2)
+
     # ---- forward ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
@@ -137,15 +150,7 @@ class FastForward:
             context = context.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
             out = self._reduce(F.linear(context, attn.linear_proj.weight))
             hidden = hidden + self._add_bias(out, attn.linear_proj)
-            mlp = layer.mlp
-            fc1 = self._add_bias(F.linear(layer.pre_mlp_layernorm(hidden), mlp.linear_fc1.weight), mlp.linear_fc1)
-            if self.gated:
-                gate, up = fc1.chunk(2, dim=-1)
-                fc1 = self.activation(gate) * up
-            else:
-                fc1 = self.activation(fc1)
-            out = self._reduce(F.linear(fc1, mlp.linear_fc2.weight))
-            hidden = hidden + self._add_bias(out, mlp.linear_fc2)
+            hidden = hidden + self._mlp(layer.mlp, layer.pre_mlp_layernorm(hidden))
         last = gpt.decoder.final_layernorm(hidden[:, -1:]).transpose(0, 1)  # [1, B, H]
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         logits, _ = gpt.output_layer(last, weight=weight, runtime_gather_output=True)

@@ -58,8 +58,8 @@ class NativeRolloutEngine(RolloutEngine):
         pad_token_id: filler for padding in the returned Batch (never attended to).
         record_routing: keep each token's experts (a mixture-of-experts model) in the Batch's
             "routed_experts".
-        fast_forward: prefill and decode with rollout/fast_decode.py where it covers the model (else, and
-            with record_routing, Megatron's own forward with its inference context).
+        fast_forward: prefill and decode with rollout/fast_decode.py where it covers the model (else
+            Megatron's own forward with its inference context).
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, vocab_size: int | None = None,
@@ -84,7 +84,7 @@ class NativeRolloutEngine(RolloutEngine):
         self.device = next(gpt.parameters()).device
         self._context = None  # StaticInferenceContext, built lazily, dropped by release()
         self._fast = None
-        if fast_forward and not record_routing:
+        if fast_forward:
             from hybridrl.rollout.fast_decode import FastForward, unsupported
 
             reason = unsupported(gpt)
