@@ -44,9 +44,18 @@ def unsupported(gpt: Any) -> str | None:
         return "post-norm residuals or a custom softmax scale"
     if config.gated_linear_unit and config.activation_func is not F.silu:
         return "a gated unit other than SwiGLU"
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+
     for layer in gpt.decoder.layers:
-        if not hasattr(layer.self_attention, "linear_qkv"):
-            return "a layer without fused QKV"
+        attn, mlp = layer.self_attention, layer.mlp
+        linears = [getattr(attn, "linear_qkv", None), getattr(attn, "linear_proj", None)]
+        if not hasattr(mlp, "router"):
+            linears += [getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)]
+        # TransformerEngine layers fuse the norms into the linears (the layer's norm is an IdentityOp)
+        if not all(isinstance(x, (ColumnParallelLinear, RowParallelLinear)) for x in linears) \
+                or isinstance(layer.input_layernorm, IdentityOp) or isinstance(layer.pre_mlp_layernorm, IdentityOp):
+            return "layers other than Megatron's local spec (e.g. TransformerEngine's fused norm + linear)"
     return None
 
 
