@@ -58,12 +58,25 @@ def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, deadline_s: floa
         time.sleep(0.5)
 
 
+def _wait_for_save_in_flight(proc: subprocess.Popen, run_dir: Path, deadline_s: float = 300) -> None:
+    """Until a step_N.tmp-* folder exists: the workers are writing a checkpoint into it."""
+    end = time.monotonic() + deadline_s
+    while not list((run_dir / "ckpt").glob("step_*.tmp-*")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, "no save seen in flight"
+        time.sleep(0.02)
+
+
+# SIGTERM between saves, SIGINT while the workers write a checkpoint (the half-written one is removed after
+# they are gone, never under them)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_the_run_cleanly(tmp_path, tmp_dir, sig):
     run_dir = tmp_path / "run"
     env = _env(tmp_dir)
     proc = _train(run_dir, env, "trainer.steps=30")
     _wait_for_checkpoint(proc, run_dir)
+    if sig == signal.SIGINT:
+        _wait_for_save_in_flight(proc, run_dir)
     tree = psutil.Process(proc.pid).children(recursive=True)
     assert tree  # Ray daemons and the role workers
     proc.send_signal(sig)

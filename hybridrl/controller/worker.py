@@ -113,6 +113,26 @@ def _quiet_upstream_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 
+def _exit_quietly_on_sigterm() -> None:
+    """Ray's worker handler raises SystemExit wherever SIGTERM lands; inside an at-fork or finaliser callback
+    that prints a traceback to the driver's stderr. The host is being torn down (Ray's shutdown, the reaper):
+    it exits at once, as `ray.kill` would, with its output flushed."""
+    import signal
+    import sys
+    import threading
+
+    def on_sigterm(_signum, _frame):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
 class WorkerHost:
     """Body of the per-device Ray actor (made remote by the WorkerGroup with placement options)."""
 
@@ -122,6 +142,7 @@ class WorkerHost:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                           LOCAL_WORLD_SIZE=str(local_world_size))
         _quiet_upstream_warnings()
+        _exit_quietly_on_sigterm()
         import torch
 
         if not torch.cuda.is_available():

@@ -239,6 +239,21 @@ class _PoolHosts:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+        # ray.kill only asks; waiting for this node's hosts to be gone keeps Ray's own shutdown, right after,
+        # from SIGTERMing them half-way through their exit
+        _wait_exited(getattr(self, "local_pids", {}).values(), timeout_s=10)
+
+
+def _wait_exited(pids, timeout_s: float) -> None:
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=timeout_s)
 
 
 class WorkerGroup:

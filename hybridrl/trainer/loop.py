@@ -27,6 +27,7 @@ from hybridrl.algorithms.lagrangian import LagrangeMultiplier
 from hybridrl.algorithms.losses import kl_penalty, masked_mean
 from hybridrl.algorithms.shaping import overlong_penalty
 from hybridrl.config import ConfigError
+from hybridrl.controller.interrupts import Interrupted
 from hybridrl.rollout.multiturn import episode_metrics
 from hybridrl.trainer.dynamic_sampling import refill
 from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
@@ -451,6 +452,8 @@ class RLTrainer:
                 if role in self.roles:
                     self.roles[role].save_checkpoint(str(tmp / role))
             save_driver_state(tmp, self.driver_state())
+        except Interrupted:  # the workers may still be writing into tmp: it is discarded once they are gone
+            raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
