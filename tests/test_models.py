@@ -187,3 +187,44 @@ def test_critic_from_causal_lm_checkpoint(dist_pool, tiny_models):
                                                          input_ids)[0]
     assert refused is not None and "score.weight" in refused and "init_missing_score=True" in refused
     assert same_backbone and shape == (BATCH, SEQ, 1)
+
+
+def _swiglu_mlp_against_megatron(model_dir: str) -> dict:
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.mlp import MLP
+
+    from hybridrl.models import build_gpt_model, load_hf_config
+    from hybridrl.models.swiglu import SwiGLUMLP
+    from hybridrl.parallel.distributed import initialize_model_parallel
+
+    initialize_model_parallel(ParallelLayout(dp=1))
+    model = build_gpt_model(load_hf_config(model_dir))
+    mlp_types = {type(layer.mlp) for layer in model.decoder.layers}
+    config = model.config
+    submodules = gpt_layer_specs.get_gpt_layer_local_spec().submodules.mlp.submodules
+    torch.manual_seed(0)
+    megatron_mlp = MLP(config, submodules)
+    ours = SwiGLUMLP(config, submodules)
+    ours.load_state_dict(megatron_mlp.state_dict())
+    hidden = torch.randn(7, 3, config.hidden_size)
+    grad_out = torch.randn(7, 3, config.hidden_size)
+    results = []
+    for mlp in (megatron_mlp, ours):
+        x = hidden.clone().requires_grad_(True)
+        out, _ = mlp(x)
+        out.backward(grad_out)
+        results.append((out.detach(), x.grad, {n: p.grad.clone() for n, p in mlp.named_parameters()}))
+    return {"mlp_types": mlp_types, "results": results}
+
+
+def test_swiglu_mlp_equals_megatron_mlp_bit_for_bit(dist_pool, tiny_models):
+    """Dense layers on CPU run SwiGLUMLP (no concatenation in the backward): outputs and every gradient equal
+    Megatron's MLP exactly."""
+    from hybridrl.models.swiglu import SwiGLUMLP
+
+    got = dist_pool(1).run(_swiglu_mlp_against_megatron, str(tiny_models["llama"]))[0]
+    assert got["mlp_types"] == {SwiGLUMLP}
+    (out_m, dx_m, grads_m), (out_s, dx_s, grads_s) = got["results"]
+    assert torch.equal(out_m, out_s) and torch.equal(dx_m, dx_s)
+    assert grads_m.keys() == grads_s.keys() and all(torch.equal(grads_m[n], grads_s[n]) for n in grads_m)
+    assert dx_m.abs().sum() > 0

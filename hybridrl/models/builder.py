@@ -105,6 +105,8 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from hybridrl.models.swiglu import use_swiglu_mlp
+
     if head not in HEADS:
         raise ValueError(f"head={head!r}; choose one of {HEADS}")
     family = family_for(hf_config)
@@ -127,6 +129,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
         seq_len_interpolation_factor=args.rope.linear_factor, **extra)
     if head == "scalar" and post_process:
         model.output_layer = ScalarHead(config, tp_group)
+    use_swiglu_mlp(model)
     if dtype != torch.float32 and not use_cuda():
         model = model.to(dtype)
     model.hybridrl_args = args
