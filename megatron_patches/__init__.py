@@ -11,6 +11,7 @@ Each patch is a module naming the upstream site it replaces, the versions it was
     norm_sp      sequence parallel with WrappedTorchNorm (tag norm params sequence_parallel)
     moe          moe_utils.te_general_gemm missing without Transformer Engine
     optim_ckpt   distributed-optimizer checkpoint load with torch's Adam ("step" state)
+    single_rank  no gloo copy of the whole buffer for a one-rank data-parallel reduce-scatter / all-gather
 
 Model builders that enable sequence parallel may call `mark_sequence_parallel_params(model)` (a no-op
 for norms built after `apply()`, which are tagged already).
@@ -36,7 +37,7 @@ from megatron_patches.norm_sp import mark_sequence_parallel_params
 logger = logging.getLogger("megatron_patches")
 
 # Order matters only for readability; each patch is independent.
-PATCHES = ("rng", "cuda_device", "tensor_type", "norm_sp", "moe", "optim_ckpt")
+PATCHES = ("rng", "cuda_device", "tensor_type", "norm_sp", "moe", "optim_ckpt", "single_rank")
 
 __all__ = ["apply", "applied", "check_version", "mark_sequence_parallel_params", "needed",
            "UnsupportedMegatronVersion", "SUPPORTED", "CHECKED_ON", "PATCHES"]
