@@ -87,6 +87,29 @@ def moe():
     return {"diff": (out - inp @ weight.t()).abs().max().item(),
             "grad_diff": (inp.grad - weight.sum(0).expand(5, 8)).abs().max().item()}
 
+def single_rank():
+    import tempfile
+    import torch.distributed as dist
+    from torch.overrides import TorchFunctionMode
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+    calls = []
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    bucket = torch.arange(6.0)
+    other = torch.zeros(6)
+    with Count():
+        buffers.dist_reduce_scatter_func(bucket[0:6], bucket, group=dist.group.WORLD)  # the shard is the bucket
+        buffers.dist_all_gather_func(bucket, bucket[0:6], group=dist.group.WORLD)
+        in_place = [c for c in calls if c.endswith("_single")]
+        calls.clear()
+        buffers.dist_all_gather_func(other, bucket, group=dist.group.WORLD)  # not the same memory: upstream
+    return {"in_place_collectives": in_place, "bucket": bucket.tolist(),
+            "copied": other.tolist(), "other_collectives": [c for c in calls if c.endswith("_single")]}
+
 def transformers_load():
     # Regression: transformers 5 detects `with torch.device("meta")` through torch.tensor([]).device;
     # wrapped factories once hid it and from_pretrained left rotary inv_freq uninitialised.
@@ -133,7 +156,7 @@ def cuda_noop():
         torch.cuda.is_available = real
     return {"result": result, "applied": megatron_patches.applied()}
 
-CHECKS = [rng, cuda_device, tensor_type, norm_sp, moe]
+CHECKS = [rng, cuda_device, tensor_type, norm_sp, moe, single_rank]
 mode = sys.argv[1]
 if mode == "patched":
     import megatron_patches
@@ -254,6 +277,16 @@ def test_moe_router_without_transformer_engine(unpatched, patched):
     _failed_with(unpatched["moe"], "NameError: name 'te_general_gemm' is not defined")
     result = _worked(patched["moe"])
     assert result["diff"] < 1e-5 and result["grad_diff"] < 1e-5
+
+
+@cpu_only
+def test_single_rank_data_parallel_skips_in_place_collectives(unpatched, patched):
+    """Unpatched, gloo copies a one-rank bucket onto itself (a reduce-scatter and an all-gather); patched, no
+    collective runs and the bucket is unchanged; a copy into other memory still goes to gloo."""
+    plain, skipped = _worked(unpatched["single_rank"]), _worked(patched["single_rank"])
+    assert plain["in_place_collectives"] == ["reduce_scatter_single", "all_gather_single"], plain
+    assert skipped["in_place_collectives"] == [] and skipped["bucket"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert skipped["other_collectives"] == ["all_gather_single"] and skipped["copied"] == skipped["bucket"]
 
 
 @cpu_only
