@@ -20,6 +20,21 @@ pytestmark = pytest.mark.slow  # one Ray start + 3 pool starts: ~1 min on an idl
 LAYOUTS = [ParallelLayout(tp=2, pp=1, dp=2), ParallelLayout(tp=1, pp=2, dp=2), ParallelLayout(tp=2, pp=2, dp=1)]
 
 
+def _freed_memory_kept() -> bool:
+    """Whether 64 MiB a tensor touched and freed stays in the process for reuse (CPU workers, controller/worker.py
+    reuse_freed_heap_memory) instead of going back to the OS (glibc's default above its mmap threshold)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * page
+
+    block = torch.ones(16 << 20)
+    holding = rss()
+    del block
+    return holding - rss() < 32 << 20
+
+
 class ProbeWorker(Worker):
     """Reports where it runs and transforms batches in a way that names the rank that did it."""
 
@@ -36,7 +51,8 @@ class ProbeWorker(Worker):
                 "megatron": (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
                              ps.get_tensor_model_parallel_rank()),
                 "group": id(dist.distributed_c10d._get_default_group()), "master_port": self.context.master_port,
-                "threads": torch.get_num_threads(), "dist_world": dist.get_world_size()}
+                "threads": torch.get_num_threads(), "dist_world": dist.get_world_size(),
+                "freed_memory_kept": _freed_memory_kept()}
 
     @register(Dispatch.ALL_TO_ALL)
     def add_rank(self, value: int) -> int:
@@ -137,6 +153,7 @@ def test_dispatch_modes(main_pool, layout: ParallelLayout):
         for rank, i in enumerate(info):
             assert i["coords"] == tuple(layout.coords(rank)) == i["megatron"]  # real Megatron parallel state
             assert i["dist_world"] == 4 and i["local_rank"] == rank and i["threads"] == 1
+            assert i["freed_memory_kept"]  # large blocks are reused, not page-faulted in again
         assert len({i["cuda"] for i in info}) == 4  # one device each
 
         assert group.add_rank([10, 20, 30, 40]) == [10, 21, 32, 43]
