@@ -4,8 +4,10 @@ For several (t, p, d) -> (t_g, p_g) layouts and synthetic Llama-shaped models of
 shards shaped by hybrid_engine/model_shapes.py), every strategy (hybrid / ds_chat / hybridflow_v) runs in the
 same processes, interleaved repeat by repeat so machine load hits them alike. Per repeat: barrier, then each
 rank times its own `Resharder.to_generation()` and, after another barrier, `to_training()` (hybrid: restores
-the released training storage; baselines: drop the buffer); a repeat's time is the max over ranks; the
-reported times are medians over repeats (after one warm-up). Bytes received per rank come from `last_stats`
+the released training storage; baselines: drop the buffer); a repeat's time is the span from the last
+rank's start to the last rank's end (one monotonic clock on the machine: a rank descheduled before it
+leaves the barrier does not count against the strategy), in an order rotated each repeat; the reported
+times are medians over repeats (after one warm-up). Bytes received per rank come from `last_stats`
 and are printed next to the plan's accounting (hybrid_engine/accounting.py), with a match flag.
 
 Memory, measured from the tensors the reshard allocates and frees (`last_stats`): held_MB is the extra held
@@ -14,7 +16,7 @@ baselines: gathered model + assembled tensors, training kept); table2_held_MB is
 (hybrid: M/(t_g p_g) - M/(t p), with the replicated norms counted per TP rank, plus the norms a rank holds
 but does not own; baselines: M); peak_MB is the most extra alive during the transition.
 
-    python benchmarks/transition_cpu.py [--repeats 5] [--sizes 8m,32m] [--out benchmarks/results]
+    python benchmarks/transition_cpu.py [--repeats 25] [--sizes 8m,32m] [--out benchmarks/results]
 
 Writes transition_cpu.json, transition_cpu.md and transition_cpu.png. Timings are gloo over loopback on a
 shared CPU machine: the ratios, not the absolute times, are the point.
@@ -105,24 +107,25 @@ def _worker(rank: int, port: int, cases: list, repeats: int, bucket_bytes: int, 
         params = _local_params(plan, rank, seed=1000)
         groups = GenerationGroups(train, genl)
         resharders = {s: Resharder(groups, params, s, bucket_bytes=bucket_bytes) for s in STRATEGIES}
-        times: dict[str, list[float]] = {s: [] for s in STRATEGIES}
-        back: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+        times: dict[str, list[tuple[float, float]]] = {s: [] for s in STRATEGIES}
+        back: dict[str, list[tuple[float, float]]] = {s: [] for s in STRATEGIES}
         stats = {}
         for rep in range(repeats + 1):  # repeat 0 is the warm-up
-            for s in STRATEGIES:  # interleaved: load drift hits every strategy alike
+            # interleaved, in an order rotated each repeat: load drift and cache state hit every strategy alike
+            for s in STRATEGIES[rep % len(STRATEGIES):] + STRATEGIES[:rep % len(STRATEGIES)]:
                 dist.barrier()
-                start = time.perf_counter()
+                start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process on the machine
                 out = resharders[s].to_generation()
-                elapsed = time.perf_counter() - start
+                end = time.monotonic()
                 stats[s] = resharders[s].last_stats
                 del out
                 dist.barrier()
-                start = time.perf_counter()
+                start_back = time.monotonic()
                 resharders[s].to_training()
-                elapsed_back = time.perf_counter() - start
+                end_back = time.monotonic()
                 if rep:
-                    times[s].append(elapsed)
-                    back[s].append(elapsed_back)
+                    times[s].append((start, end))
+                    back[s].append((start_back, end_back))
         mine = {s: {"times": times[s], "back": back[s], "recv_payload": stats[s].recv_payload_bytes,
                     "recv_wire": stats[s].recv_wire_bytes, "buffer": stats[s].buffer_bytes,
                     "generation": stats[s].generation_bytes, "held": stats[s].held_bytes,
@@ -158,6 +161,13 @@ def run_cases(cases: list, repeats: int, bucket_bytes: int) -> list:
     return results
 
 
+def _spans(per_rank: list, strategy: str, key: str) -> list[float]:
+    """Per repeat, the transition's span over the group: latest start to latest end (no collective can finish
+    before the last rank starts, so the time a rank waited for a late one to leave the barrier is left out)."""
+    pairs = [r[strategy][key] for r in per_rank]
+    return [max(p[i][1] for p in pairs) - max(p[i][0] for p in pairs) for i in range(len(pairs[0]))]
+
+
 def make_rows(cases: list, results: list) -> list[dict]:
     from hybridrl.hybrid_engine.accounting import account
     from hybridrl.hybrid_engine.plan import HybridEnginePlan
@@ -170,9 +180,8 @@ def make_rows(cases: list, results: list) -> list[dict]:
         base: dict = {}
         for s in STRATEGIES:
             costs = account(plan, s).ranks
-            # per repeat: slowest rank; then median over repeats
-            per_repeat = [max(r[s]["times"][i] for r in per_rank) for i in range(len(per_rank[0][s]["times"]))]
-            per_repeat_back = [max(r[s]["back"][i] for r in per_rank) for i in range(len(per_rank[0][s]["back"]))]
+            # per repeat: from the last rank's start to the last rank's end; then median over repeats
+            per_repeat, per_repeat_back = _spans(per_rank, s, "times"), _spans(per_rank, s, "back")
             held = [r[s]["held"] for r in per_rank]
             if s == "hybrid":  # accounting per rank: generation shard - training shard + norms held, not owned
                 plan_held = [c.buffer_payload - plan.training_bytes(c.rank) + c.redundant for c in costs]
@@ -238,7 +247,7 @@ def plot(rows: list[dict], path: Path) -> None:
     by = {(r["model"], r["layout"], r["strategy"]): r for r in rows}
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cases)), 8), sharex=True)
     width = 0.27
-    for ax, key, label in ((axes[0], "time_ms", "to_generation, ms (median of max over ranks)"),
+    for ax, key, label in ((axes[0], "time_ms", "to_generation, ms (median span over ranks)"),
                            (axes[1], "held_MB_mean", "extra MB held per rank while generating")):
         for i, s in enumerate(STRATEGIES):
             xs = [k + (i - 1) * width for k in range(len(cases))]
@@ -256,7 +265,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up (>= 1)")
+    parser.add_argument("--repeats", type=int, default=25, help="timed repeats after one warm-up (>= 1)")
     parser.add_argument("--sizes", default="8m,32m",
                         help=f"comma list from {list(SIZES)} (default 8m,32m: ~3 min on a loaded 2-core box)")
     parser.add_argument("--bucket-mb", type=float, default=32.0,
@@ -278,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = default_meta()
     meta.update({"world_size": WORLD, "backend": "gloo (CPU, loopback)", "dtype": "fp32",
                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "repeats": args.repeats,
-                 "warmup": 1, "timing": "per repeat max over ranks of to_generation(), barrier before; "
-                                        "median over repeats; strategies interleaved",
+                 "warmup": 1, "timing": "per repeat, to_generation() from the last rank's start to the last "
+                                        "rank's end (barrier before); median over repeats; strategies "
+                                        "interleaved in an order rotated each repeat",
                  "models": {s: {**SIZES[s], "params": shapes[s].numel} for s in sizes}})
     start = time.perf_counter()
     meta["bucket_mb"] = args.bucket_mb
