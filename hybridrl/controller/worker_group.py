@@ -53,6 +53,9 @@ class WorkerHungError(WorkerDiedError):
     dead worker."""
 
 
+PEER_DEATH_GRACE_S = 5.0  # how long a rank's error waits for a peer's death to show (_raise_if_a_peer_dies)
+
+
 def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method: str, wait_s: float) -> bool:
     """Wait up to wait_s for the ranks not yet in `results`; store what finished. Raises at the FIRST
     failed or dead rank instead of waiting for the others (which may hang in a collective with it).
@@ -71,7 +74,8 @@ def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method
     except Exception:  # noqa: BLE001 - not all done, or one failed: take what is ready, rank by rank
         ready, _ = ray.wait(pending_refs, num_returns=len(pending_refs), timeout=0)
         values = {}
-    for ref in ready:
+    failures = []
+    for ref in ready:  # every ready rank first: a dead one outranks another's error
         rank = pending.pop(ref)
         try:
             value = values[ref] if ref in values else ray.get(ref, timeout=60)
@@ -82,10 +86,34 @@ def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method
         except GetTimeoutError as exc:
             raise WorkerTimeoutError(role, rank, method, f"result of rank {rank} could not be fetched") from exc
         if isinstance(value, RemoteFailure):
-            raise WorkerError(value.role, value.rank, value.method, f"{value.exc_type}: {value.message}",
-                              value.traceback)
-        results[rank] = value
+            failures.append(value)
+        else:
+            results[rank] = value
+    if failures:
+        _raise_if_a_peer_dies(pending, role, method)
+        first = failures[0]
+        raise WorkerError(first.role, first.rank, first.method, f"{first.exc_type}: {first.message}", first.traceback)
     return not pending
+
+
+def _raise_if_a_peer_dies(pending: dict[Any, int], role: str, method: str) -> None:
+    """A rank's collective fails ("Connection reset by peer") when a peer process dies, often before Ray has
+    noticed the death. If a rank still pending dies within PEER_DEATH_GRACE_S, that death is the error to report
+    (a WorkerDiedError, which the trainer recovers from), not its symptom on the living rank."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    waiting = list(pending)
+    deadline = time.monotonic() + PEER_DEATH_GRACE_S
+    while waiting and time.monotonic() < deadline:
+        done, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as exc:
+                raise WorkerDiedError(role, pending[ref], method, f"worker process died: {exc}") from exc
+            except Exception:  # noqa: BLE001 - another failure or a result: the first error stands
+                pass
 
 
 def _raise_timeout(refs: dict[int, Any], results: dict[int, Any], role: str, method: str, timeout_s: float):
