@@ -43,7 +43,18 @@ from benchmarks._results import default_meta, write_results  # noqa: E402
 logger = logging.getLogger("benchmarks.transition_cpu")
 
 WORLD = 4
-STRATEGIES = ("hybrid", "ds_chat", "hybridflow_v")
+STRATEGIES = ("hybrid", "ds_chat", "hybridflow_v", "hybrid_collective")
+# hybrid_collective: the hybrid schedule run as gloo collectives (NCCL's transport) instead of messages, to show
+# what the gloo transport (hybrid_engine/p2p.py) contributes; the accounting is hybrid's
+
+
+def _resharder_args(label: str) -> tuple[str, dict]:
+    """Resharder strategy and options of a row label."""
+    return ("hybrid", {"transport": "collective"}) if label == "hybrid_collective" else (label, {})
+
+
+def _in_place(label: str) -> bool:
+    return _resharder_args(label)[0] == "hybrid"
 # (t, p, d) -> (t_g, p_g)
 LAYOUTS = [((4, 1, 1), (2, 1)), ((4, 1, 1), (1, 1)), ((2, 2, 1), (1, 1)), ((2, 1, 2), (1, 1))]
 # Llama-shaped synthetic models: name -> tiny_hf_config kwargs (sizes in fp32 parameters)
@@ -106,7 +117,8 @@ def _worker(rank: int, port: int, cases: list, repeats: int, bucket_bytes: int, 
         plan = HybridEnginePlan(train, genl, shapes, dtype_bytes=4)
         params = _local_params(plan, rank, seed=1000)
         groups = GenerationGroups(train, genl)
-        resharders = {s: Resharder(groups, params, s, bucket_bytes=bucket_bytes) for s in STRATEGIES}
+        resharders = {s: Resharder(groups, params, _resharder_args(s)[0], bucket_bytes=bucket_bytes,
+                                   **_resharder_args(s)[1]) for s in STRATEGIES}
         times: dict[str, list[tuple[float, float]]] = {s: [] for s in STRATEGIES}
         back: dict[str, list[tuple[float, float]]] = {s: [] for s in STRATEGIES}
         stats = {}
@@ -130,7 +142,7 @@ def _worker(rank: int, port: int, cases: list, repeats: int, bucket_bytes: int, 
                     "recv_wire": stats[s].recv_wire_bytes, "buffer": stats[s].buffer_bytes,
                     "generation": stats[s].generation_bytes, "held": stats[s].held_bytes,
                     "peak": stats[s].peak_extra_bytes, "scratch": stats[s].scratch_bytes,
-                    "collectives": stats[s].collectives} for s in STRATEGIES}
+                    "collectives": stats[s].collectives, "messages": stats[s].messages} for s in STRATEGIES}
         gathered: list = [None] * WORLD
         dist.all_gather_object(gathered, mine)
         if rank == 0:
@@ -179,11 +191,11 @@ def make_rows(cases: list, results: list) -> list[dict]:
         plan = HybridEnginePlan(ParallelLayout(tp=t, pp=p, dp=d), GenerationLayout(tp=tg, pp=pg), shapes, 4)
         base: dict = {}
         for s in STRATEGIES:
-            costs = account(plan, s).ranks
+            costs = account(plan, _resharder_args(s)[0]).ranks
             # per repeat: from the last rank's start to the last rank's end; then median over repeats
             per_repeat, per_repeat_back = _spans(per_rank, s, "times"), _spans(per_rank, s, "back")
             held = [r[s]["held"] for r in per_rank]
-            if s == "hybrid":  # accounting per rank: generation shard - training shard + norms held, not owned
+            if _in_place(s):  # accounting per rank: generation shard - training shard + norms held, not owned
                 plan_held = [c.buffer_payload - plan.training_bytes(c.rank) + c.redundant for c in costs]
             else:  # the gathered model (Table 2: M) + padding; assembled tensors come on top
                 plan_held = [c.buffer_payload + c.buffer_padding for c in costs]
@@ -207,11 +219,11 @@ def make_rows(cases: list, results: list) -> list[dict]:
                    "table2_held_MB": round(float(table2) / 1e6, 3),
                    "peak_MB_max": round(max(r[s]["peak"] for r in per_rank) / 1e6, 3),
                    "scratch_MB_max": round(max(r[s]["scratch"] for r in per_rank) / 1e6, 3),
-                   "collectives": per_rank[0][s]["collectives"],
+                   "collectives": per_rank[0][s]["collectives"], "messages": per_rank[0][s]["messages"],
                    "held_bytes_per_rank": held, "plan_held_bytes_per_rank": plan_held,
-                   "held_match_plan": held == plan_held if s == "hybrid" else all(
+                   "held_match_plan": held == plan_held if _in_place(s) else all(
                        h >= q for h, q in zip(held, plan_held)),
-                   "bytes_match_plan": recv == plan_recv and (wire == plan_wire if s != "hybrid" else wire == recv)}
+                   "bytes_match_plan": recv == plan_recv and (wire == recv if _in_place(s) else wire == plan_wire)}
             base[s] = row
             rows.append(row)
         for s in STRATEGIES:
@@ -227,7 +239,7 @@ def table2_held(plan, strategy: str):
 
     from hybridrl.hybrid_engine.accounting import account
 
-    if strategy != "hybrid":
+    if not _in_place(strategy):
         return Fraction(plan.model_bytes)
     (t, p), (tg, pg) = (plan.train.tp, plan.train.pp), (plan.gen.tp, plan.gen.pp)
     part = sum(sum(row) for row in plan.table.partitioned) * plan.dtype_bytes
@@ -246,11 +258,11 @@ def plot(rows: list[dict], path: Path) -> None:
     cases = list(dict.fromkeys((r["model"], r["layout"]) for r in rows))
     by = {(r["model"], r["layout"], r["strategy"]): r for r in rows}
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cases)), 8), sharex=True)
-    width = 0.27
+    width = 0.8 / len(STRATEGIES)
     for ax, key, label in ((axes[0], "time_ms", "to_generation, ms (median span over ranks)"),
                            (axes[1], "held_MB_mean", "extra MB held per rank while generating")):
         for i, s in enumerate(STRATEGIES):
-            xs = [k + (i - 1) * width for k in range(len(cases))]
+            xs = [k + (i - (len(STRATEGIES) - 1) / 2) * width for k in range(len(cases))]
             ax.bar(xs, [by[(m, lay, s)][key] for m, lay in cases], width, label=s)
         ax.set_ylabel(label)
         ax.set_yscale("log")
@@ -300,12 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = make_rows(cases, results)
     columns = ["model", "params_m", "layout", "strategy", "time_ms", "ratio_vs_hybrid", "back_ms", "recv_MB_max",
                "plan_recv_MB_max", "wire_MB_max", "held_MB_mean", "table2_held_MB", "held_MB_max", "peak_MB_max",
-               "scratch_MB_max", "collectives", "bytes_match_plan", "held_match_plan"]
+               "scratch_MB_max", "collectives", "messages", "bytes_match_plan", "held_match_plan"]
     json_path, md_path = write_results("transition_cpu", rows, meta, columns, out_dir=args.out)
     png = json_path.with_suffix(".png")
     plot(rows, png)
     for r in rows:
-        print(f"{r['model']:>4} {r['layout']:<16} {r['strategy']:<13} {r['time_ms']:9.2f} ms "
+        print(f"{r['model']:>4} {r['layout']:<16} {r['strategy']:<17} {r['time_ms']:9.2f} ms "
               f"x{r['ratio_vs_hybrid']:<5} recv max {r['recv_MB_max']:8.3f} MB (plan {r['plan_recv_MB_max']:8.3f})"
               f" match={r['bytes_match_plan']} held mean {r['held_MB_mean']:8.3f} MB (Table 2 "
               f"{r['table2_held_MB']:8.3f}) match={r['held_match_plan']}")

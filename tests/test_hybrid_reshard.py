@@ -78,10 +78,14 @@ def _reshard_on_rank(train_tpd, gen_tp_pp, specs=None, small_bucket=256):
     expected = {s.name: _megatron_shard(full[s.name], s, tg, shard.gen_tp) for s in specs
                 if _stage(s, pg) == shard.gen_pp}
     report = {}
-    runs = [("hybrid", {}), ("hybrid_small_bucket", {"bucket_bytes": small_bucket}), ("ds_chat", {}),
-            ("hybridflow_v", {})]
+    # hybrid runs as messages on gloo; hybrid_collective keeps the collectives (NCCL's transport) tested here
+    runs = [("hybrid", {}), ("hybrid_small_bucket", {"bucket_bytes": small_bucket}),
+            ("hybrid_collective", {"transport": "collective"}),
+            ("hybrid_collective_small_bucket", {"transport": "collective", "bucket_bytes": small_bucket}),
+            ("ds_chat", {}), ("hybridflow_v", {})]
     for label, kwargs in runs:
-        resharder = Resharder(groups, params, label.split("_small")[0], **kwargs)
+        resharder = Resharder(groups, params, label.split("_")[0] if label.startswith("hybrid_") else label,
+                              **kwargs)
         for _ in range(2):  # a second round trip reuses the same schedule and storages
             got = resharder.to_generation()
             mismatched = sorted(n for n in expected if n not in got or not torch.equal(got[n], expected[n]))
@@ -94,6 +98,7 @@ def _reshard_on_rank(train_tpd, gen_tp_pp, specs=None, small_bucket=256):
                          "recv_wire": stats.recv_wire_bytes, "buffer": stats.buffer_bytes,
                          "held": stats.held_bytes, "kept": stats.kept_bytes, "scratch": stats.scratch_bytes,
                          "released": stats.released_training_bytes, "peak": stats.peak_extra_bytes,
+                         "collectives": stats.collectives, "messages": stats.messages,
                          "one_storage": len(storages) == 1, "freed_params": freed,
                          "gen_views_dropped": all(v.untyped_storage().nbytes() == 0 for v in got.values()),
                          "untouched": all(torch.equal(prm.tensor, o) for prm, o in zip(params, originals))}
@@ -112,14 +117,15 @@ def _check_against_accounting(results, train, gen, specs, small_bucket=256):
     (t, p, d), (tg, pg) = train, gen
     plan = HybridEnginePlan(ParallelLayout(tp=t, pp=p, dp=d), GenerationLayout(tp=tg, pp=pg),
                             ModelShapes("synthetic", tuple(specs), LAYERS, 8, 8), dtype_bytes=4)
-    for label in ("hybrid", "hybrid_small_bucket", "ds_chat", "hybridflow_v"):
-        costs = account(plan, label.split("_small")[0]).ranks
+    for label in ("hybrid", "hybrid_small_bucket", "hybrid_collective", "hybrid_collective_small_bucket",
+                  "ds_chat", "hybridflow_v"):
+        costs = account(plan, "hybrid" if label.startswith("hybrid_") else label).ranks
         for rank, (report, n_params) in enumerate(results):
             got, cost = report[label], costs[rank]
             assert got["untouched"], f"{label} rank {rank}: training weights changed by a round trip"
             assert got["mismatched"] == [] and got["extra"] == [], (label, rank, got)
             assert got["recv_payload"] == cost.recv_payload, (label, rank)
-            if label in ("hybrid", "hybrid_small_bucket"):
+            if label.startswith("hybrid") and label != "hybridflow_v":
                 # in place: one generation buffer, exactly the generation shard, no padding on the wire
                 assert got["one_storage"] and got["gen_views_dropped"], (label, rank)
                 assert got["recv_wire"] == cost.recv_payload, (label, rank)
@@ -128,7 +134,13 @@ def _check_against_accounting(results, train, gen, specs, small_bucket=256):
                 assert got["released"] == plan.training_bytes(rank), (label, rank)
                 assert got["kept"] == cost.redundant, (label, rank)  # norms held but owned by another TP rank
                 assert got["held"] == cost.buffer_payload - plan.training_bytes(rank) + cost.redundant, (label, rank)
-                bucket = small_bucket if label == "hybrid_small_bucket" else 32 << 20
+                # the transport used: messages on gloo by default, collectives when asked (what NCCL runs)
+                moved = got["recv_payload"] > 0
+                if "collective" in label:
+                    assert got["messages"] == 0 and (got["collectives"] > 0 or not moved), (label, rank, got)
+                else:
+                    assert got["collectives"] == 0 and (got["messages"] > 0) == moved, (label, rank, got)
+                bucket = small_bucket if label.endswith("small_bucket") else 32 << 20
                 assert got["scratch"] <= bucket and got["peak"] <= cost.buffer_payload + max(bucket, got["kept"])
             else:
                 assert got["recv_wire"] == cost.recv_payload + cost.recv_padding, (label, rank)

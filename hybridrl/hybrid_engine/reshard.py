@@ -34,6 +34,10 @@ one flat slot (equal slots: padding at the end), the slots are gathered into one
 and each rank rebuilds its generation shard from it (views where no regrouping is needed, concatenations
 otherwise). The training parameters stay (their redundancy is the point of the comparison).
 
+On gloo the hybrid schedule runs as point-to-point messages (hybrid_engine/p2p.py): the same pieces and bytes,
+received straight into place and all at once, where gloo's all-gather would stage its whole output and run a
+ring of sequential steps.
+
 Bytes moved, memory allocated and copies are reported per call in `last_stats`; bytes equal the plan's
 accounting (hybrid_engine/accounting.py).
 """
@@ -46,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.hybrid_engine.inplace import InPlaceSchedule, Op, TrainingStorage, numel_of
+from hybridrl.hybrid_engine.p2p import run_point_to_point
 from hybridrl.hybrid_engine.model_shapes import CONCAT, ParamSpec
 from hybridrl.hybrid_engine.plan import check_strategy, generation_shard_from_training, \
     training_shard_from_generation
@@ -54,6 +59,7 @@ from hybridrl.parallel.generation import GenerationGroups
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 32 << 20
+TRANSPORTS = ("auto", "collective", "p2p")
 # one contiguous output for all members (torch >= 2.13 names it all_gather_single)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -100,6 +106,7 @@ class ReshardStats:
     own_copy_bytes: int = 0         # bytes of the rank's own training shard copied into the buffer
     regroup_copy_bytes: int = 0     # other bytes copied after arriving (scratch -> place, concatenations)
     collectives: int = 0
+    messages: int = 0               # point-to-point messages received (the gloo transport)
     extra: dict = field(default_factory=dict)
 
 
@@ -119,14 +126,18 @@ class Resharder:
 
     bucket_bytes: most bytes one collective outputs (and the scratch bound). release_training (hybrid): free
     the training storages while generating. generation_names (hybrid): move only these tensors (the
-    generation model's parameters; None: every parameter of the generation shard)."""
+    generation model's parameters; None: every parameter of the generation shard). transport (hybrid): "p2p"
+    runs the schedule as point-to-point messages into place (hybrid_engine/p2p.py), "collective" as
+    collectives, "auto" picks p2p on gloo and collectives otherwise (NCCL's all-gather writes in place)."""
 
     def __init__(self, groups: GenerationGroups, params: list[ShardedParam], strategy: str = "hybrid", *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, release_training: bool = True,
-                 generation_names: set[str] | None = None) -> None:
+                 generation_names: set[str] | None = None, transport: str = "auto") -> None:
         check_strategy(strategy)
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes} (set bucket_mb > 0)")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.groups, self.strategy = groups, strategy
         self.bucket_bytes, self.release_training = bucket_bytes, release_training
         self.rank = dist.get_rank()
@@ -149,6 +160,9 @@ class Resharder:
             owner = self.coords.tp == 0
         self.members, self.group = new_group_of(self.rank, member_lists)
         self.me = self.members.index(self.rank)
+        if transport == "auto":  # gloo's all-gather stages the whole output and runs a ring; messages do not
+            transport = "p2p" if dist.get_backend(self.group) == "gloo" else "collective"
+        self.transport = transport
         # what this rank puts in: its TP-partitioned shards, plus replicated tensors where it is the owner
         self.contributed = [p for p in params if p.partition_dim is not None or owner]
         shared = params if strategy == "hybrid" else self.contributed
@@ -208,21 +222,12 @@ class Resharder:
         views = {name: self._buffer[off:off + numel_of(shape)].view(shape) for name, (off, shape) in
                  sched.layout.items()}
         stats = ReshardStats(buffer_bytes=sched.numel * itemsize, generation_bytes=sched.numel * itemsize)
-        scratch_elems = 0
-        for op in sched.ops:
-            if op.packed:  # the packed output (+ the own send slot of a gather)
-                total = sum(sched.piece_numel(p) for p in op.parts)
-                staged = total + (total // len(self.members) if op.kind == "packed_gather" else 0)
-            else:
-                dsts = [sched.dst_view(views, p) for p in op.parts]
-                staged = sum(d.numel() for d in dsts if not d.is_contiguous())
-            scratch_elems = max(scratch_elems, staged)
-        scratch = torch.empty(scratch_elems, dtype=self.dtype, device=self.device)
-        stats.scratch_bytes = scratch_elems * itemsize
         with torch.no_grad():
-            for op in sched.ops:
-                self._run_op(op, views, scratch, stats, itemsize)
-        del scratch
+            if self.transport == "p2p":
+                run_point_to_point(sched, self.me, self.members, self.group, self._own, self._buffer, views,
+                                   max(1, self.bucket_bytes // itemsize), stats)
+            else:
+                self._run_collectives(views, stats, itemsize)
         stats.recv_wire_bytes = stats.recv_payload_bytes  # no padding: every piece is real data
         # the training shard now lives in its slots; what the rank holds but did not place is kept aside
         self._kept, released = {}, 0
@@ -237,6 +242,22 @@ class Resharder:
         stats.peak_extra_bytes = stats.buffer_bytes + max(stats.scratch_bytes, stats.kept_bytes)
         self.last_stats = stats
         return views
+
+    def _run_collectives(self, views: dict[str, torch.Tensor], stats: ReshardStats, itemsize: int) -> None:
+        sched = self.schedule
+        scratch_elems = 0
+        for op in sched.ops:
+            if op.packed:  # the packed output (+ the own send slot of a gather)
+                total = sum(sched.piece_numel(p) for p in op.parts)
+                staged = total + (total // len(self.members) if op.kind == "packed_gather" else 0)
+            else:
+                dsts = [sched.dst_view(views, p) for p in op.parts]
+                staged = sum(d.numel() for d in dsts if not d.is_contiguous())
+            scratch_elems = max(scratch_elems, staged)
+        scratch = torch.empty(scratch_elems, dtype=self.dtype, device=self.device)
+        stats.scratch_bytes = scratch_elems * itemsize
+        for op in sched.ops:
+            self._run_op(op, views, scratch, stats, itemsize)
 
     def _run_op(self, op: Op, views: dict[str, torch.Tensor], scratch: torch.Tensor, stats: ReshardStats,
                 itemsize: int) -> None:
