@@ -1,14 +1,16 @@
 """Transition benchmark, part (a): measured training -> generation reshard on CPU gloo, 4 processes.
 
 For several (t, p, d) -> (t_g, p_g) layouts and synthetic Llama-shaped models of a few sizes (fp32, random
-shards shaped by hybrid_engine/model_shapes.py), every strategy (hybrid / ds_chat / hybridflow_v) runs in the
-same processes, interleaved repeat by repeat so machine load hits them alike. Per repeat: barrier, then each
-rank times its own `Resharder.to_generation()` and, after another barrier, `to_training()` (hybrid: restores
-the released training storage; baselines: drop the buffer); a repeat's time is the span from the last
-rank's start to the last rank's end (one monotonic clock on the machine: a rank descheduled before it
-leaves the barrier does not count against the strategy), in an order rotated each repeat; the reported
-times are medians over repeats (after one warm-up). Bytes received per rank come from `last_stats`
-and are printed next to the plan's accounting (hybrid_engine/accounting.py), with a match flag.
+shards shaped by hybrid_engine/model_shapes.py), every strategy (hybrid / ds_chat / hybridflow_v, plus
+hybrid_collective: hybrid's schedule run as gloo collectives, the transport NCCL uses, where hybrid itself
+runs it as point-to-point messages on gloo) runs in the same processes, interleaved repeat by repeat so
+machine load hits them alike. Per repeat: barrier, then each rank times its own `Resharder.to_generation()`
+and, after another barrier, `to_training()` (hybrid: restores the released training storage; baselines: drop
+the buffer); a repeat's time is the span from the last rank's start to the last rank's end (one monotonic
+clock on the machine: a rank descheduled before it leaves the barrier does not count against the strategy), in
+an order rotated each repeat; the reported times are medians over repeats (after one warm-up). Bytes received
+per rank come from `last_stats` and are printed next to the plan's accounting (hybrid_engine/accounting.py),
+with a match flag.
 
 Memory, measured from the tensors the reshard allocates and frees (`last_stats`): held_MB is the extra held
 per rank while generating (hybrid in place: generation buffer + kept tensors - released training storage;

@@ -36,7 +36,8 @@ def bridge_plan(train: ParallelLayout, gen_tp: int, rollout_ranks: int) -> list[
         raise ValueError(f"rollout.tp={gen_tp} must divide actor.parallel.tp={train.tp}: a generation shard is "
                          f"regrouped from whole training shards")
     if rollout_ranks % gen_tp:
-        raise ValueError(f"the rollout pool's {rollout_ranks} devices do not split into replicas of rollout.tp={gen_tp}")
+        raise ValueError(f"the rollout pool's {rollout_ranks} devices do not split into replicas of "
+                         f"rollout.tp={gen_tp}")
     gen = ParallelLayout(tp=gen_tp, dp=rollout_ranks // gen_tp)
     k = train.tp // gen_tp
     out = []

@@ -161,7 +161,8 @@ class Resharder:
         self.members, self.group = new_group_of(self.rank, member_lists)
         self.me = self.members.index(self.rank)
         if transport == "auto":  # gloo's all-gather stages the whole output and runs a ring; messages do not
-            transport = "p2p" if dist.get_backend(self.group) == "gloo" else "collective"
+            on_gloo = dist.get_backend(self.group) == "gloo" and self.device.type == "cpu"
+            transport = "p2p" if on_gloo else "collective"
         self.transport = transport
         # what this rank puts in: its TP-partitioned shards, plus replicated tensors where it is the owner
         self.contributed = [p for p in params if p.partition_dim is not None or owner]
