@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # options may sit between config and overrides
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from hybridrl.config import load_config

