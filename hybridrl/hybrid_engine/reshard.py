@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.hybrid_engine.inplace import InPlaceSchedule, Op, TrainingStorage, numel_of
-from hybridrl.hybrid_engine.p2p import run_point_to_point
 from hybridrl.hybrid_engine.model_shapes import CONCAT, ParamSpec
+from hybridrl.hybrid_engine.p2p import run_point_to_point
 from hybridrl.hybrid_engine.plan import check_strategy, generation_shard_from_training, \
     training_shard_from_generation
 from hybridrl.parallel.generation import GenerationGroups
