@@ -65,7 +65,8 @@ def _layout_on(pool: ResourcePool, parallel: dict | None) -> ParallelLayout:
         raise ValueError(f"parallel tp={tp} x pp={pp} does not divide the pool's {pool.world_size} devices")
     dp = parallel.get("dp") or pool.world_size // (tp * pp)
     return ParallelLayout(tp=tp, pp=pp, dp=int(dp), sequence_parallel=bool(parallel.get("sequence_parallel", False)),
-                          ep=int(parallel.get("ep", 1)))
+                          ep=int(parallel.get("ep", 1)),
+                          etp=int(parallel["expert_tp"]) if parallel.get("expert_tp") is not None else None)
 
 
 def _start(pool: ResourcePool | None, ray_address: str | None = None) -> ResourcePool:

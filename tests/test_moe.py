@@ -4,7 +4,8 @@ Megatron-Core MoE GPTModels from their HF checkpoints equal transformers, with e
 One long-lived 4-rank pool; references from transformers in a clean subprocess (their fused in-memory experts
 named back to the checkpoint's per-expert tensors). Checks at TP=1/EP=1, TP=1/EP=2, TP=2/EP=2 and PP=2/EP=2:
 logits (fp32, <= 1e-4), loss, every parameter's gradient under its HF name (<= 1e-5), and the router's top-k
-choices against transformers' own router on the same hidden states.
+choices against transformers' own router on the same hidden states. Expert TP below TP (expert_tp=1 at TP=2,
+with EP=2 and EP=4: the expert-parallel groups then span TP ranks) is checked the same way.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from hybridrl.parallel.layout import LayoutError, ParallelLayout
 WORLD = 4
 # Megatron's MoE layers need sequence parallelism beside TP in training
 LAYOUTS = [ParallelLayout(tp=1, dp=4), ParallelLayout(tp=1, dp=4, ep=2),
-           ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), ParallelLayout(tp=1, pp=2, dp=2, ep=2)]
+           ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), ParallelLayout(tp=1, pp=2, dp=2, ep=2),
+           ParallelLayout(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True),
+           ParallelLayout(tp=2, dp=2, ep=4, etp=1, sequence_parallel=True)]
 BATCH, SEQ, VOCAB = 2, 16, 128
 ATOL, GRAD_ATOL = 1e-4, 1e-5
 
@@ -90,30 +93,33 @@ def _moe_step(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor, l
             dist.all_gather(parts, mask.contiguous(), group=tp_group)
             mask = torch.cat(parts, dim=0)
         chosen[number] = mask.transpose(0, 1)
-    # every DP replica ran the same batch: the expert-parallel ranks' tokens all reached each expert, so an
-    # expert's grad is ep times the single batch's
+    # every DP replica ran the same batch: the tokens of the DP replicas inside one expert-TP x EP group all
+    # reached each expert, so an expert's grad is ep * expert_tp / tp times the single batch's
     experts = {}
     grads = {}
+    expert_tp_group = ps.get_expert_tensor_parallel_group()
     for name, param in named_global_parameters(model):
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         is_expert = ".local_experts." in name
         if is_expert:
-            grad = grad / layout.ep
+            grad = grad * layout.tp / (layout.ep * layout.expert_tp)
         if getattr(param, "sequence_parallel", False):  # each TP rank holds a partial norm / router grad
             grad = grad.clone()
             dist.all_reduce(grad, group=tp_group)
         dim = tp_partition_dim(param)
-        if dim is not None and layout.tp > 1:
-            shards = [torch.empty_like(grad) for _ in range(layout.tp)]
-            dist.all_gather(shards, grad.contiguous(), group=tp_group)
+        size, group = (layout.expert_tp, expert_tp_group) if is_expert else (layout.tp, tp_group)
+        if dim is not None and size > 1:
+            shards = [torch.empty_like(grad) for _ in range(size)]
+            dist.all_gather(shards, grad.contiguous(), group=group)
             grad = tp_gather(name, shards, dim)
         for hf_name, tensor in model.hybridrl_family.to_hf(name, grad, hf_config, "lm"):
             (experts if is_expert else grads)[hf_name] = tensor
-    # each tensor from one rank: TP rank 0 of DP replica 0 (experts: of each expert-parallel rank)
+    # each tensor from one rank: TP rank 0 of DP replica 0 (experts: expert-TP rank 0 of each expert-parallel rank)
     tp0 = ps.get_tensor_model_parallel_rank() == 0
     last = ps.is_pipeline_last_stage()
+    expert_owner = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
     mine = {"grads": grads if tp0 and ps.get_data_parallel_rank() == 0 else {},
-            "experts": experts if tp0 and ps.get_expert_data_parallel_rank() == 0 else {},
+            "experts": experts if expert_owner else {},
             "logits": outputs.get("logits") if tp0 and last and ps.get_data_parallel_rank() == 0 else None,
             "loss": float(losses[0]["loss"]) if tp0 and last and ps.get_data_parallel_rank() == 0 else None,
             "chosen": chosen if tp0 and ps.get_data_parallel_rank() == 0 else {}}
@@ -234,20 +240,24 @@ def test_to_hf_inverts_from_hf_for_every_moe_parameter(name):
 
 @pytest.mark.slow
 def test_convert_with_expert_parallelism_round_trips_bit_exact(moe_models, tmp_path, capsys):
-    """HF -> Megatron at TP=2 x EP=2 (4 processes, 2 experts each) -> HF at PP=2 x EP=2: every tensor equal."""
+    """HF -> Megatron at TP=2 x EP=2 (4 processes, 2 experts each) -> HF at PP=2 x EP=2: every tensor equal. The same
+    with expert TP 1 on either side (2 processes at TP=2 x EP=2, each rank one whole block of experts; 4 at EP=4)."""
     from hybridrl.cli import main as cli_main
     from safetensors.torch import load_file
 
     source = moe_models["qwen2_moe"]
-    assert cli_main(["convert", "--from", "hf", "--to", "mcore", "--tp", "2", "--ep", "2", str(source),
-                     str(tmp_path / "mcore")]) == 0
-    assert cli_main(["convert", "--from", "mcore", "--to", "hf", "--pp", "2", "--ep", "2", str(tmp_path / "mcore"),
-                     str(tmp_path / "back")]) == 0
-    original, exported = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "back" /
-                                                                                    "model.safetensors"))
-    assert set(original) == set(exported)
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
+    original = load_file(str(source / "model.safetensors"))
+    trips = ((["--tp", "2", "--ep", "2"], ["--pp", "2", "--ep", "2"]),
+             (["--tp", "2", "--ep", "2", "--expert-tp", "1"], ["--tp", "2", "--ep", "4", "--expert-tp", "1"]),
+             (["--tp", "2", "--ep", "4", "--expert-tp", "1"], ["--tp", "2", "--ep", "2"]))
+    for i, (to_mcore, to_hf) in enumerate(trips):
+        mcore, back = tmp_path / f"mcore{i}", tmp_path / f"back{i}"
+        assert cli_main(["convert", "--from", "hf", "--to", "mcore", *to_mcore, str(source), str(mcore)]) == 0
+        assert cli_main(["convert", "--from", "mcore", "--to", "hf", *to_hf, str(mcore), str(back)]) == 0
+        exported = load_file(str(back / "model.safetensors"))
+        assert set(original) == set(exported), (to_mcore, to_hf)
+        for name, tensor in original.items():
+            assert torch.equal(exported[name], tensor), (to_mcore, to_hf, name)
     assert cli_main(["convert", "--from", "hf", "--to", "mcore", "--ep", "3", str(source), str(tmp_path / "bad")]) == 2
     assert "ep=3 needs a mixture-of-experts model whose experts it divides (the model has 4)" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()

@@ -121,3 +121,45 @@ def test_groups_equal_megatron_parallel_state(dist_pool, tp, pp, dp):
         assert got["mp"] == layout.group_of(rank, layout.model_parallel_groups())
         assert tuple(got["coords"]) == layout.coords(rank)
         assert got["collect"] == layout.is_collect_rank(rank)
+
+
+def megatron_expert_groups(layout: ParallelLayout) -> dict:
+    """This rank's expert groups and expert coordinates as Megatron's parallel_state reports them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.parallel.distributed import initialize_model_parallel
+
+    initialize_model_parallel(layout)
+    return {"rank": dist.get_rank(),
+            "ep": dist.get_process_group_ranks(ps.get_expert_model_parallel_group()),
+            "etp": dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()),
+            "coords": (ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                       ps.get_expert_data_parallel_rank())}
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=1, dp=4, ep=2), ParallelLayout(tp=2, dp=2, ep=2),
+                                    ParallelLayout(tp=2, dp=2, ep=2, etp=1), ParallelLayout(tp=2, dp=2, ep=4, etp=1),
+                                    ParallelLayout(tp=4, dp=1, ep=2, etp=2), ParallelLayout(tp=2, pp=2, ep=2, etp=1)],
+                         ids=lambda layout: layout.describe())
+def test_expert_groups_equal_megatron_parallel_state(dist_pool, layout):
+    """Expert-parallel and expert-TP groups, with expert TP equal to TP and below it (experts spread over TP
+    ranks, ep up to tp/etp*dp)."""
+    for got in dist_pool(4).run(megatron_expert_groups, layout):
+        rank = got["rank"]
+        assert got["ep"] == layout.group_of(rank, layout.expert_parallel_groups()), (layout, rank)
+        assert got["etp"] == layout.group_of(rank, layout.expert_tp_groups()), (layout, rank)
+        assert got["coords"] == tuple(layout.expert_coords(rank)), (layout, rank)
+
+
+def test_expert_tp_is_checked():
+    with pytest.raises(LayoutError, match=r"expert_tp=3 must divide tp=2 .*choose expert_tp in \[1, 2\]"):
+        ParallelLayout(tp=2, dp=2, etp=3)
+    with pytest.raises(LayoutError, match=r"ep=2 must divide dp=1.*set expert_tp below tp"):
+        ParallelLayout(tp=2, dp=1, ep=2)
+    with pytest.raises(LayoutError, match=r"ep=3 must divide tp/expert_tp\*dp = 2/1\*1 = 2"):
+        ParallelLayout(tp=2, dp=1, ep=3, etp=1)
+    with pytest.raises(LayoutError, match="expert_tp must be a positive integer"):
+        ParallelLayout(tp=2, etp=0)
+    assert ParallelLayout(tp=2, dp=1, ep=2, etp=1).expert_tp == 1
+    assert ParallelLayout(tp=2).expert_tp == 2

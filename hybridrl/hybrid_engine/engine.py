@@ -53,6 +53,9 @@ class HybridEngine:
             raise ValueError(f"generation expert parallelism e_g={gen_layout.ep}: the rollout engines generate with "
                              f"every expert on each rank (e_g = 1); larger e_g is only planned (hybridrl plan "
                              f"--gen-ep)")
+        if layout.ep > 1 and layout.expert_tp != layout.tp:
+            raise ValueError(f"expert_tp={layout.expert_tp} below tp={layout.tp}: the hybrid engine does not move "
+                             f"such experts yet")
         if layout.ep > 1 and strategy == "ds_chat":
             raise ValueError("strategy ds_chat is the ZeRO-3 baseline, which has no expert parallelism; with "
                              f"ep={layout.ep} use hybrid or hybridflow_v")

@@ -23,7 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{role}-pp", type=int, default=1, help=f"{name} pipeline-parallel size")
     parser.add_argument("--train-dp", type=int, default=1, help="training data-parallel size")
     parser.add_argument("--train-ep", type=int, default=1,
-                        help="training expert-parallel size (mixture-of-experts models; divides --train-dp)")
+                        help="training expert-parallel size (mixture-of-experts models; divides --train-dp, or "
+                             "--train-tp / --train-etp x --train-dp)")
+    parser.add_argument("--train-etp", type=int, default=None,
+                        help="training expert tensor-parallel size (divides --train-tp; default: --train-tp)")
     parser.add_argument("--gen-ep", type=int, default=1,
                         help="generation expert-parallel size (divides --train-ep; the rollout engines run 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="parameter dtype")
@@ -46,7 +49,8 @@ def build_report(args: argparse.Namespace) -> dict:
     from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
     from hybridrl.parallel.layout import ParallelLayout
 
-    train = ParallelLayout(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, ep=args.train_ep)
+    train = ParallelLayout(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, ep=args.train_ep,
+                           etp=args.train_etp)
     gen = GenerationLayout(tp=args.gen_tp, pp=args.gen_pp, ep=args.gen_ep)
     check_generation_layout(train, gen)  # layout-only checks first: cheap, before the model is built
     shapes = model_shapes(args.model)

@@ -117,14 +117,19 @@ def _check_file_size(path: Path) -> None:
                               f"{8 + header_len + data_end}); copy the file again")
 
 
-def _tp_rank_size(model: Any) -> tuple[int, int]:
-    inner = unwrap(model)
-    pg = getattr(inner, "pg_collection", None)
-    if pg is not None and getattr(pg, "tp", None) is not None:
-        return pg.tp.rank(), pg.tp.size()
+def _tp_groups(model: Any) -> tuple[Any, Any]:
+    """(TP group, expert-TP group) of a model: its own process groups, else Megatron's global ones. Experts are
+    split over the expert-TP group, which is smaller than the TP group when expert_tp < tp."""
     from megatron.core import parallel_state
 
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    pg = getattr(unwrap(model), "pg_collection", None)
+    tp = getattr(pg, "tp", None) or parallel_state.get_tensor_model_parallel_group()
+    expert_tp = getattr(pg, "expt_tp", None) if pg is not None else None
+    return tp, expert_tp or parallel_state.get_expert_tensor_parallel_group()
+
+
+def _rank_size(group: Any) -> tuple[int, int]:
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
 
 def _read_shard(reader: SafetensorsReader, family: ModelFamily, mcore_name: str, param: torch.Tensor,
@@ -172,7 +177,9 @@ def load_hf_weights(model: Any, folder: str | Path, hf_config: Any, *, init_miss
     family, head = inner.hybridrl_family, inner.hybridrl_head
     padded = inner.hybridrl_args.padded_vocab_size
     reader = SafetensorsReader(folder)
-    tp_rank, tp_size = _tp_rank_size(inner)
+    tp_group, expert_tp_group = _tp_groups(inner)
+    tp_rank, tp_size = _rank_size(tp_group)
+    expert_tp = _rank_size(expert_tp_group)
     for name, param in named_global_parameters(inner):
         if head == "scalar" and name == "output_layer.weight" and "score.weight" not in reader.weight_map:
             if init_missing_score:
@@ -180,7 +187,8 @@ def load_hf_weights(model: Any, folder: str | Path, hf_config: Any, *, init_miss
                 continue
             raise CheckpointError(f"{folder}: tensor 'score.weight' is missing (not a *ForSequenceClassification "
                                   f"checkpoint); pass init_missing_score=True to start a fresh value head")
-        shard = _read_shard(reader, family, name, param, hf_config, head, padded, tp_rank, tp_size)
+        rank, size = expert_tp if expert_number(name) is not None else (tp_rank, tp_size)
+        shard = _read_shard(reader, family, name, param, hf_config, head, padded, rank, size)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(f"{folder}: {name} shard has shape {list(shard.shape)}, the model expects "
                                   f"{list(param.shape)}; the weights do not match the config")
@@ -200,20 +208,18 @@ def _gather_tp(name: str, param: torch.Tensor, tp_group: Any) -> torch.Tensor:
 
 
 def iter_full_hf_tensors(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """This stage's parameters as FULL tensors with HF names (collective over the TP group).
+    """This stage's parameters as FULL tensors with HF names (collective over the TP group; experts over the
+    expert-TP group).
 
     A tied output layer is skipped (HF ties lm_head to embed_tokens).
     """
-    from megatron.core import parallel_state
-
     inner = unwrap(model)
-    pg = getattr(inner, "pg_collection", None)
-    tp_group = pg.tp if pg is not None else parallel_state.get_tensor_model_parallel_group()
+    groups = _tp_groups(inner)
     tied = inner.share_embeddings_and_output_weights
     for name, param in named_global_parameters(inner):
         if tied and name == "output_layer.weight":
             continue
-        full = _gather_tp(name, param, tp_group)
+        full = _gather_tp(name, param, groups[expert_number(name) is not None])
         yield from inner.hybridrl_family.to_hf(name, full, hf_config, inner.hybridrl_head)
 
 
@@ -222,24 +228,26 @@ def gather_hf_state_dict(model: Any, hf_config: Any) -> dict[str, torch.Tensor] 
     """The whole HF state dict on global rank 0 (None elsewhere); collective over all ranks.
 
     Each tensor comes from one place: the dense ones from data-parallel replica 0, each expert from the
-    expert-parallel rank holding it in expert-data-parallel replica 0; TP shards are gathered first, and TP
-    rank 0 of each such group sends its tensors to rank 0.
+    expert-parallel rank holding it in expert-data-parallel replica 0; TP shards (experts: expert-TP shards) are
+    gathered first, and rank 0 of each such group sends its tensors to rank 0.
     """
     from megatron.core import parallel_state as ps
 
     inner = unwrap(model)
-    tp_group = ps.get_tensor_model_parallel_group()
-    wanted = {False: ps.get_data_parallel_rank() == 0, True: ps.get_expert_data_parallel_rank() == 0}
+    groups = _tp_groups(inner)
+    wanted = {False: ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0,
+              True: ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0}
+    gathers = {False: ps.get_data_parallel_rank() == 0, True: ps.get_expert_data_parallel_rank() == 0}
     tied = inner.share_embeddings_and_output_weights
     local: dict[str, torch.Tensor] = {}
     for name, param in named_global_parameters(inner):
-        if not wanted[expert_number(name) is not None] or (tied and name == "output_layer.weight"):
+        is_expert = expert_number(name) is not None
+        if not gathers[is_expert] or (tied and name == "output_layer.weight"):
             continue
-        full = _gather_tp(name, param, tp_group)  # the same names on every rank of the TP group
-        for hf_name, tensor in inner.hybridrl_family.to_hf(name, full, hf_config, inner.hybridrl_head):
-            local[hf_name] = tensor.cpu().clone()
-    if ps.get_tensor_model_parallel_rank() != 0:
-        local = {}
+        full = _gather_tp(name, param, groups[is_expert])  # the same names on every rank of that group
+        if wanted[is_expert]:
+            for hf_name, tensor in inner.hybridrl_family.to_hf(name, full, hf_config, inner.hybridrl_head):
+                local[hf_name] = tensor.cpu().clone()
     rank = torch.distributed.get_rank()
     gathered = [None] * torch.distributed.get_world_size() if rank == 0 else None
     torch.distributed.gather_object(local, gathered, dst=0)

@@ -1,6 +1,6 @@
 """`hybridrl convert`: Hugging Face <-> Megatron distributed checkpoints, on T*P local processes.
 
-    hybridrl convert --from hf --to mcore --tp 2 --pp 2 [--ep E] SRC_HF_DIR DST_MCORE_DIR
+    hybridrl convert --from hf --to mcore --tp 2 --pp 2 [--ep E [--expert-tp T]] SRC_HF_DIR DST_MCORE_DIR
     hybridrl convert --from mcore --to hf [--tp T --pp P] SRC_MCORE_DIR DST_HF_DIR
     hybridrl convert --from ckpt --to hf [--tp T --pp P] RUN/ckpt/step_N DST_HF_DIR   (a training run's actor)
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -50,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "written Megatron checkpoint)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models): the "
-                        "conversion runs on tp*pp*ep processes, each holding 1/ep of every MoE layer's experts")
+                        "conversion runs on tp*pp*ep processes (tp*pp*ep*expert_tp/tp with --expert-tp), each holding "
+                        "1/ep of every MoE layer's experts")
+    parser.add_argument("--expert-tp", type=int, default=None, help="the experts' tensor-parallel size, dividing "
+                        "--tp (default: --tp); below --tp the expert-parallel ranks include TP ranks")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                         help="parameter dtype (auto: the HF config's dtype, else float32)")
     parser.add_argument("src", help="source folder")
@@ -65,7 +69,7 @@ def _config_dtype(hf_config: Any) -> torch.dtype:
 
 
 def plan(source_format: str, target_format: str, src: str, dst: str, tp: int = 1, pp: int = 1,
-         dtype: str = "auto", ep: int = 1) -> ConvertJob:
+         dtype: str = "auto", ep: int = 1, expert_tp: int | None = None) -> ConvertJob:
     """Validate everything and describe the job; raises a clear error on any bad input."""
     from hybridrl.models.checkpoint_hf import check_hf_checkpoint
     from hybridrl.models.dist_ckpt import read_dist_checkpoint_info
@@ -85,8 +89,10 @@ def plan(source_format: str, target_format: str, src: str, dst: str, tp: int = 1
         source_format = "mcore"
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    # expert parallelism splits data-parallel replicas: ep of them hold the experts between them
-    layout = ParallelLayout(tp=tp, pp=pp, dp=ep, ep=ep)
+    # expert parallelism splits the expert-TP groups of a stage (tp / expert_tp per DP replica): the fewest
+    # replicas that give ep of them
+    groups_per_replica = tp // expert_tp if expert_tp and tp % expert_tp == 0 else 1
+    layout = ParallelLayout(tp=tp, pp=pp, dp=ep // math.gcd(ep, groups_per_replica), ep=ep, etp=expert_tp)
     src_path, dst_path = Path(src), Path(dst)
     if not src_path.is_dir():
         raise CheckpointError(f"source {src} does not exist or is not a folder")
@@ -137,13 +143,13 @@ def _worker(rank: int, job: ConvertJob, port: int) -> None:
 
 
 def convert(job: ConvertJob) -> None:
-    """Run a planned job on tp*pp*ep local processes (gloo on CPU, one GPU each when CUDA is present)."""
+    """Run a planned job on the layout's local processes (gloo on CPU, one GPU each when CUDA is present)."""
     import torch.multiprocessing as tmp
 
     from hybridrl.parallel.distributed import free_port
 
     if torch.cuda.is_available() and torch.cuda.device_count() < job.layout.world_size:
-        raise LayoutError(f"--tp*--pp*--ep = {job.layout.world_size} processes but only {torch.cuda.device_count()} "
+        raise LayoutError(f"{job.layout.describe()} needs {job.layout.world_size} processes but only {torch.cuda.device_count()} "
                           f"GPUs; lower --tp/--pp/--ep")
     logger.info("converting %s (%s) -> %s with %d processes (%s)", job.source, job.source_format,
                 job.destination, job.layout.world_size, job.layout.describe())
@@ -152,7 +158,8 @@ def convert(job: ConvertJob) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        job = plan(args.source_format, args.target_format, args.src, args.dst, args.tp, args.pp, args.dtype, args.ep)
+        job = plan(args.source_format, args.target_format, args.src, args.dst, args.tp, args.pp, args.dtype, args.ep,
+                   args.expert_tp)
     except (ConvertError, CheckpointError, UnsupportedModelError, LayoutError) as exc:
         print(f"hybridrl convert: error: {exc}", file=sys.stderr)
         return 2

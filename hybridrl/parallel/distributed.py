@@ -68,6 +68,7 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

@@ -5,6 +5,11 @@ Ranks follow Megatron-Core's default order "tp-cp-ep-dp-pp" (cp = 1 here):
 so TP ranks are consecutive, DP strides by tp, PP strides by tp*dp. Expert parallelism (ep, for MoE models)
 splits each DP group's ranks into groups of `ep` consecutive DP replicas that hold different experts (the
 attention and dense weights stay replicated over DP); an expert's own TP is the layout's tp.
+
+With an expert TP (`etp`) smaller than tp, Megatron lays the experts out on their own grid: inside a pipeline
+stage the tp*dp ranks, numbered L = tp_rank + tp*dp_rank, are re-split as L = etp_rank + etp*(ep_rank +
+ep*edp_rank) (its expert rank generator, order tp-ep-dp-pp). Expert-parallel groups then span TP ranks, so ep
+may exceed dp (e.g. tp=2, etp=1, ep=2 on two ranks). hybridrl supports etp dividing tp.
 """
 from __future__ import annotations
 
@@ -22,6 +27,14 @@ class RankCoords(NamedTuple):
     tp: int
 
 
+class ExpertCoords(NamedTuple):
+    """A rank's place on Megatron's expert grid: expert TP rank, expert-parallel rank (which block of experts),
+    expert-data-parallel rank (which replica of that block)."""
+    etp: int
+    ep: int
+    edp: int
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     tp: int = 1
@@ -30,19 +43,30 @@ class ParallelLayout:
     sequence_parallel: bool = False
     vpp: int | None = None  # virtual pipeline chunks per stage (optional)
     ep: int = 1  # expert parallel: DP replicas that split the experts of each MoE layer
+    etp: int | None = None  # expert tensor parallel (None: tp); must divide tp
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise LayoutError(f"parallel.expert_tp must be a positive integer or unset, got {self.etp!r}")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1 (it splits activations over the TP group)")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             raise LayoutError("vpp (virtual pipeline) needs pp > 1 and vpp >= 1")
-        if self.dp % self.ep:
+        if self.tp % self.expert_tp:
+            raise LayoutError(f"expert_tp={self.expert_tp} must divide tp={self.tp} (an expert's TP shard is made of "
+                              f"whole dense TP shards); choose expert_tp in {divisors(self.tp)}")
+        if self.ep > 1 and self.expert_tp == self.tp and self.dp % self.ep:
             raise LayoutError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel ranks are data-parallel "
-                              f"replicas of the rest of the model; choose ep in {divisors(self.dp)}")
+                              f"replicas of the rest of the model; choose ep in {divisors(self.dp)} (or set "
+                              f"expert_tp below tp to spread the experts over TP ranks too)")
+        slots = self.tp // self.expert_tp * self.dp  # expert-TP groups per pipeline stage
+        if slots % self.ep:
+            raise LayoutError(f"ep={self.ep} must divide tp/expert_tp*dp = {self.tp}/{self.expert_tp}*{self.dp} = "
+                              f"{slots} (the expert-TP groups of a pipeline stage); choose ep in {divisors(slots)}")
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -52,6 +76,11 @@ class ParallelLayout:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size (the dense tp unless etp is set)."""
+        return self.etp or self.tp
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -108,11 +137,26 @@ class ParallelLayout:
         """TP x PP group of each DP replica, ordered by model-parallel rank (pp-major, tp-minor)."""
         return [[self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
 
+    def expert_coords(self, rank: int) -> ExpertCoords:
+        """Where a rank sits on the expert grid (with etp = tp: expert block dp % ep, replica dp // ep)."""
+        local = rank % (self.tp * self.dp)  # its index inside its pipeline stage
+        return ExpertCoords(local % self.expert_tp, local // self.expert_tp % self.ep,
+                            local // (self.expert_tp * self.ep))
+
+    def _expert_rank(self, pp: int, etp: int, ep: int, edp: int) -> int:
+        return pp * self.tp * self.dp + etp + self.expert_tp * (ep + self.ep * edp)
+
     def expert_parallel_groups(self) -> list[list[int]]:
-        """The `ep` consecutive DP replicas that split the experts (Megatron's order tp-ep-dp-pp): DP rank
-        dp holds expert block dp % ep; dp // ep is its expert-data-parallel rank."""
-        return [[self.rank(p, edp * self.ep + e, t) for e in range(self.ep)]
-                for p in range(self.pp) for edp in range(self.dp // self.ep) for t in range(self.tp)]
+        """Ranks holding different expert blocks at the same expert TP shard, by expert-parallel rank."""
+        edp = self.tp * self.dp // (self.expert_tp * self.ep)
+        return [[self._expert_rank(p, t, e, d) for e in range(self.ep)]
+                for p in range(self.pp) for d in range(edp) for t in range(self.expert_tp)]
+
+    def expert_tp_groups(self) -> list[list[int]]:
+        """Ranks holding the expert TP shards of the same experts, by expert TP rank."""
+        edp = self.tp * self.dp // (self.expert_tp * self.ep)
+        return [[self._expert_rank(p, t, e, d) for t in range(self.expert_tp)]
+                for p in range(self.pp) for d in range(edp) for e in range(self.ep)]
 
     def group_of(self, rank: int, groups: list[list[int]]) -> list[int]:
         for group in groups:
@@ -137,6 +181,7 @@ class ParallelLayout:
         extra = ", sp" if self.sequence_parallel else ""
         extra += f", vpp={self.vpp}" if self.vpp else ""
         extra += f", ep={self.ep}" if self.ep > 1 else ""
+        extra += f", expert_tp={self.etp}" if self.etp is not None and self.etp != self.tp else ""
         return f"tp={self.tp}, pp={self.pp}, dp={self.dp}{extra}"
 
 

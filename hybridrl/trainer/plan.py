@@ -147,7 +147,8 @@ def _layout(role: str, role_cfg: Any, devices: int, pool: str) -> ParallelLayout
            f"{role}.parallel: tp*pp*dp = {par.tp}*{par.pp}*{dp} != {devices} devices of pool {pool!r}; "
            f"leave dp unset to fill the pool")
     try:
-        return ParallelLayout(tp=par.tp, pp=par.pp, dp=dp, sequence_parallel=par.sequence_parallel, ep=par.ep)
+        return ParallelLayout(tp=par.tp, pp=par.pp, dp=dp, sequence_parallel=par.sequence_parallel, ep=par.ep,
+                              etp=par.expert_tp)
     except LayoutError as exc:
         raise ConfigError(f"{role}.parallel: {exc}") from None
 
