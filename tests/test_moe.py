@@ -296,36 +296,54 @@ def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: to
     freed = all(p.tensor.untyped_storage().size() == 0 for p in engine.experts.remote) if engine.experts else True
     return {"logits": logits[..., :VOCAB], "received": received, "local_expert_bytes": local_expert_bytes,
             "ep": ps.get_expert_model_parallel_world_size(), "restored": restored, "freed": freed,
-            "buckets": engine.experts.collectives, "recv": stats.recv_payload_bytes, "buffer": stats.buffer_bytes,
-            "held": stats.held_bytes}
+            "buckets": len(engine.experts.buckets), "recv": stats.recv_payload_bytes, "buffer": stats.buffer_bytes,
+            "held": stats.held_bytes, "expert_messages": engine.experts.messages}
 
 
 @pytest.mark.slow
-def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, moe_models):
+def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, moe_models, tmp_path):
     """Training EP=2 (TP=1 and TP=2 with SP) -> generation t_g=1 or 2, e_g=1: each rank receives exactly the other
     expert-parallel rank's experts ((ep - 1) x its own expert bytes), the generation logits equal transformers',
     and going back leaves the training weights bit-identical and the gathered experts freed; with a small
     bucket the experts travel in several all-gathers, with the same result. Bytes received, the generation
-    buffer and the memory held while generating equal the plan's accounting of that rank."""
+    buffer and the memory held while generating equal the plan's accounting of that rank. Expert TP 1 at TP=2
+    (EP=2 and EP=4, the expert-parallel groups spanning TP ranks): the experts are regrouped into the dense TP
+    layout by point-to-point messages (one per other expert block and bucket), with the same checks; at TP=4 with
+    expert TP 2 (4 kv heads) half the ranks hold no piece of even their own block and receive every block."""
     from hybridrl.hybrid_engine.accounting import account
     from hybridrl.hybrid_engine.model_shapes import model_shapes
     from hybridrl.hybrid_engine.plan import HybridEnginePlan
     from hybridrl.parallel.generation import GenerationLayout
 
-    model_dir = str(moe_models["mixtral"])
     input_ids, _ = _batch()
-    ref = hf_reference(model_dir, input_ids)
+    wide = str(create_tiny_model(tmp_path / "mixtral_kv4", "mixtral", seed=3, vocab_size=VOCAB, hidden=32, layers=2,
+                                 heads=4, kv_heads=4))
+    refs = {path: hf_reference(path, input_ids) for path in (str(moe_models["mixtral"]), wide)}
     pool = dist_pool(WORLD)
+    regrouped = [ParallelLayout(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True),
+                 ParallelLayout(tp=2, dp=2, ep=4, etp=1, sequence_parallel=True),
+                 ParallelLayout(tp=4, dp=1, ep=2, etp=2, sequence_parallel=True)]
     for layout, bucket_mb, gen_tp in ((ParallelLayout(tp=1, dp=4, ep=2), 32.0, 1),
                                       (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 0.02, 1),
-                                      (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 32.0, 2)):
+                                      (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 32.0, 2),
+                                      (regrouped[0], 32.0, 1), (regrouped[0], 0.02, 2), (regrouped[1], 0.02, 1),
+                                      (regrouped[1], 32.0, 2), (regrouped[2], 32.0, 1), (regrouped[2], 0.02, 2)):
+        model_dir = wide if layout.tp == 4 else str(moe_models["mixtral"])
+        ref = refs[model_dir]
         plan = HybridEnginePlan(layout, GenerationLayout(tp=gen_tp), model_shapes(model_dir), dtype_bytes=4)
         costs = account(plan, "hybrid").ranks
+        first = plan.expert_first_stage()
         for rank, out in enumerate(pool.run(_moe_engine_round_trip, model_dir, layout, input_ids, bucket_mb, gen_tp)):
             where = f"rank {rank} at {layout.describe()} -> t_g={gen_tp}"
             assert (out["buckets"] == 1) == (bucket_mb == 32.0), (where, out["buckets"])
             assert (out["logits"] - ref.logits).abs().max().item() <= ATOL, where
-            assert out["received"] == (out["ep"] - 1) * out["local_expert_bytes"] > 0, where
+            assert out["received"] == first[rank][0] > 0, where
+            if layout in regrouped:  # every other block's piece: one message per bucket
+                ratio = layout.tp // layout.expert_tp
+                blocks = layout.ep - (layout.coords(rank).tp // ratio == layout.expert_coords(rank).etp)
+                assert out["expert_messages"] == blocks * out["buckets"], where
+            else:
+                assert out["received"] == (out["ep"] - 1) * out["local_expert_bytes"], where
             assert out["restored"] and out["freed"], where
             assert out["recv"] == costs[rank].recv_payload and out["buffer"] == costs[rank].buffer_payload, where
             assert out["held"] == costs[rank].buffer_payload - plan.training_bytes(rank) + costs[rank].redundant
@@ -437,7 +455,9 @@ def test_grpo_moe_config_learns_with_expert_parallelism(ray_two_devices):
     """configs/grpo_moe_tiny.yaml (EP=2): reward first < 0.3 -> last five > 0.7; the generation model (all
     experts gathered) samples what the training model computes; the routers' losses and loads are logged.
     Its first step (samples, loss) equals the same job's at TP=2 with sequence parallelism and no expert
-    parallelism; later steps differ slightly: the load-balancing loss depends on how tokens are grouped."""
+    parallelism, and at TP=2 with whole experts split over the two TP ranks (expert_tp=1, EP=2: the hybrid
+    engine regroups them into the TP layout); later steps differ slightly: the load-balancing loss depends on how
+    tokens are grouped."""
     import math
 
     from test_trainer_e2e import run_steps
@@ -454,8 +474,13 @@ def test_grpo_moe_config_learns_with_expert_parallelism(ray_two_devices):
         assert 1.0 <= m["moe/load_imbalance"] <= 4.0
     _, (dense_layout,) = run_steps(["trainer.steps=1", "actor.parallel.tp=2", "actor.parallel.ep=1",
                                     "actor.parallel.sequence_parallel=true"], "grpo_moe_tiny.yaml")
-    for key in ("reward_mean", "response_length_mean", "actor/pg_loss"):  # grads carry the aux loss too
-        assert math.isclose(history[0][key], dense_layout[key], rel_tol=1e-4, abs_tol=1e-6), key
+    _, (expert_tp_layout,) = run_steps(["trainer.steps=1", "actor.parallel.tp=2", "actor.parallel.ep=2",
+                                        "actor.parallel.expert_tp=1", "actor.parallel.sequence_parallel=true"],
+                                       "grpo_moe_tiny.yaml")
+    for other in (dense_layout, expert_tp_layout):
+        for key in ("reward_mean", "response_length_mean", "actor/pg_loss"):  # grads carry the aux loss too
+            assert math.isclose(history[0][key], other[key], rel_tol=1e-4, abs_tol=1e-6), key
+    assert expert_tp_layout["mismatch/log_prob_diff"] < 1e-5
 
 
 @pytest.mark.slow

@@ -120,6 +120,25 @@ def test_plan_of_an_moe_preset(capsys):
     assert "expert_gather_groups [0, 4, 8, 12]" in capsys.readouterr().out
 
 
+def test_plan_of_an_moe_preset_with_expert_tp_below_tp(capsys):
+    """Qwen3-30B-A3B at t=4 with whole experts (expert_tp=1) spread over all 16 GPUs (ep=16 > d=4) -> t_g=4:
+    each GPU holds 8 whole experts per layer and receives the other 15 blocks at its TP shard (its own block's
+    piece it copies), so it takes E/16 * 15/4 bytes; the regroup runs inside the 16 ranks of a stage and hybrid
+    holds the training experts (E/16) beside the generation shard."""
+    assert _plan("--model", "qwen3-30b-a3b", "--train-tp", "4", "--train-dp", "4", "--train-ep", "16",
+                 "--train-etp", "1", "--gen-tp", "4", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    expert_bytes = report["expert_bytes"]
+    assert report["train"]["expert_tp"] == 1 and report["train"]["ep"] == 16
+    assert report["expert_gather_groups"] == [list(range(16))]
+    hybrid = report["strategies"]["hybrid"]
+    assert hybrid["bytes_per_gpu_max"] == expert_bytes // 16 * 15 // 4
+    assert hybrid["redundant_bytes_per_gpu_max"] >= expert_bytes // 16
+    assert _plan("--model", "qwen3-30b-a3b", "--train-tp", "4", "--train-dp", "4", "--train-ep", "16",
+                 "--train-etp", "1", "--gen-tp", "4", "--gen-ep", "2") == 2
+    assert "generation runs e_g = 1" in capsys.readouterr().err
+
+
 def test_presets_are_real_llama_sizes():
     assert LLAMA_PRESETS["llama-34b"]["num_key_value_heads"] == 8
     assert {k: v["num_hidden_layers"] for k, v in LLAMA_PRESETS.items()} == {

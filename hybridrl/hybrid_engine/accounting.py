@@ -15,7 +15,8 @@ every parameter is TP-partitioned; norms replicated over TP make the hybrid's ge
 once per generation TP rank, so its exact means use M' = P + t_g*R (P partitioned, R replicated bytes).
 Mixture-of-experts (plan.py): hybrid's expert-parallel first stage adds its bytes to recv/sent; Table 2 then
 holds for the dense part D = M - E and the experts E apart, with t p ep and t_g p_g e_g as the experts'
-model-parallel sizes (table2's expert_bytes).
+model-parallel sizes (table2's expert_bytes). With expert_tp < tp the first stage is a regroup (plan.py) and
+Table 2 holds for the dense part only; the per-rank accounting here is exact either way.
 """
 from __future__ import annotations
 
@@ -70,10 +71,10 @@ class StrategyCost:
 def account(plan: HybridEnginePlan, strategy: str) -> StrategyCost:
     """Per-rank bytes sent/received and buffer memory of one strategy, from per-parameter shard sizes."""
     check_strategy(strategy)
-    first: dict[int, int] = {}  # the expert-parallel first stage: equal blocks, ring all-gather
-    for group in plan.expert_gather_groups(strategy):
-        for rank in group:
-            first[rank] = (len(group) - 1) * plan.expert_share(rank, plan.train.ep)[0]
+    stage = plan.expert_first_stage(strategy)  # experts moved before the gather (received, sent, copied)
+    first = {rank: moved[0] for rank, moved in stage.items()}
+    first_sent = {rank: moved[1] for rank, moved in stage.items()}
+    copied = {rank: moved[2] for rank, moved in stage.items()}
     costs: dict[int, RankCost] = {}
     for group in plan.gather_groups(strategy):
         contrib = [plan.contribution(r, strategy) for r in group]
@@ -82,17 +83,18 @@ def account(plan: HybridEnginePlan, strategy: str) -> StrategyCost:
         total, n = sum(payloads), len(group)
         for i, rank in enumerate(group):
             recv = total - payloads[i] + first.get(rank, 0)
-            sent = (total - payloads[(i + 1) % n] if n > 1 else 0) + first.get(rank, 0)
+            sent = (total - payloads[(i + 1) % n] if n > 1 else 0) + first_sent.get(rank, 0)
             if strategy == "hybrid":
                 # the rank's own training shard (and the experts gathered into its slot) is its slot of the
                 # generation buffer (in place); only replicated tensors it holds but does not own in this group
-                # are held twice
-                redundant = plan.training_bytes(rank) + first.get(rank, 0) - payloads[i]
+                # are held twice (and, with expert_tp < tp, its training experts, which no slot is)
+                redundant = plan.training_bytes(rank) + first.get(rank, 0) + copied.get(rank, 0) - payloads[i]
             elif strategy == "hybridflow_v":  # its training shard stays beside the gathered model
                 redundant = plan.training_bytes(rank)
             else:  # ds_chat: the rank's ZeRO-3 partition stays beside the gathered full model
                 redundant = payloads[i]
-            pad_recv, pad_sent = (n - 1) * slot - (total - payloads[i]), (n - 1) * slot - (sent - first.get(rank, 0))
+            pad_recv, pad_sent = ((n - 1) * slot - (total - payloads[i]),
+                                  (n - 1) * slot - (sent - first_sent.get(rank, 0)))
             costs[rank] = RankCost(rank=rank, recv_payload=recv, recv_padding=pad_recv,
                                    sent_payload=sent, sent_padding=pad_sent if n > 1 else 0,
                                    buffer_payload=total, buffer_padding=n * slot - total, redundant=redundant)

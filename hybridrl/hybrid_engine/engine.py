@@ -9,7 +9,8 @@ One object per rank, built once (collectively) next to the training model:
 
 When the generation layout equals the training layout (t_g = t, p = p_g = 1, no expert parallelism) nothing
 moves: the training model itself generates. Mixture-of-experts models generate with every expert on each rank
-(e_g = 1): with expert parallelism in training, the other ranks' experts are all-gathered first (experts.py).
+(e_g = 1): with expert parallelism in training, the other ranks' experts are all-gathered first, or regrouped
+into the dense TP layout when the experts' TP is below the TP (experts.py).
 Otherwise a generation-layout Megatron model (t_g, p_g; the rollout engines use p_g = 1, a p_g > 1 model is a
 pipeline stage run by the caller) is built on the strided generation groups
 (parallel/generation.py) and its parameters are pointed at the Resharder's generation buffer on each
@@ -53,9 +54,6 @@ class HybridEngine:
             raise ValueError(f"generation expert parallelism e_g={gen_layout.ep}: the rollout engines generate with "
                              f"every expert on each rank (e_g = 1); larger e_g is only planned (hybridrl plan "
                              f"--gen-ep)")
-        if layout.ep > 1 and layout.expert_tp != layout.tp:
-            raise ValueError(f"expert_tp={layout.expert_tp} below tp={layout.tp}: the hybrid engine does not move "
-                             f"such experts yet")
         if layout.ep > 1 and strategy == "ds_chat":
             raise ValueError("strategy ds_chat is the ZeRO-3 baseline, which has no expert parallelism; with "
                              f"ep={layout.ep} use hybrid or hybridflow_v")
@@ -86,12 +84,12 @@ class HybridEngine:
         detach_generation_weights(self.gen_model)  # its weights will view the generation buffer
         params = training_params(train_model, stage)
         self.experts = None  # expert parallelism: the other ranks' experts are gathered first (experts.py)
-        if layout.ep > 1:
+        if layout.ep > 1 or layout.expert_tp != layout.tp:
             from megatron.core import parallel_state
 
-            from hybridrl.hybrid_engine.experts import ExpertGather
+            from hybridrl.hybrid_engine.experts import expert_stage
 
-            self.experts = ExpertGather(params, inner.config.num_moe_experts,
+            self.experts = expert_stage(params, inner.config.num_moe_experts, layout, self.rank,
                                         parallel_state.get_expert_model_parallel_group(),
                                         bucket_bytes=max(1, int(bucket_mb * (1 << 20))))
             params = self.experts.params(params)
@@ -127,13 +125,15 @@ class HybridEngine:
             attach_generation_weights(self.gen_model, tensors, self._gen_shapes)
             self.last_stats = self.resharder.last_stats
             if self.experts is not None:  # the gathered experts' buffers: allocated now, released as training
-                self.last_stats.extra["expert_recv_bytes"] = expert_bytes  # parameters with release_training
-                self.last_stats.recv_payload_bytes += expert_bytes
-                self.last_stats.recv_wire_bytes += expert_bytes
-                self.last_stats.held_bytes += expert_bytes
+                stats = self.last_stats  # parameters with release_training
+                stats.extra["expert_recv_bytes"] = expert_bytes
+                stats.recv_payload_bytes += expert_bytes
+                stats.recv_wire_bytes += expert_bytes
+                stats.held_bytes += self.experts.allocated_bytes
                 if self.resharder.release_training:
-                    self.last_stats.released_training_bytes -= expert_bytes
-                self.last_stats.collectives += self.experts.collectives
+                    stats.released_training_bytes -= self.experts.allocated_bytes
+                stats.collectives += self.experts.collectives
+                stats.messages += self.experts.messages
         self.in_generation = True
         return self.gen_model
 

@@ -8,6 +8,15 @@ EP=1 model and plans it like one. The buffers have storage only during a transit
 them again, so training holds no extra memory; the gather itself packs the local experts into buckets (one
 all-gather each, at most bucket_mb received per bucket). Bytes: each rank receives (ep - 1) / ep of its TP shard of the
 expert weights (counted in ReshardStats.extra["expert_recv_bytes"] and in recv_payload_bytes).
+
+With an expert TP below the TP (expert_tp < tp, ExpertRegroup) a rank's experts are not a TP shard at all: it
+holds a whole block of experts at its expert-TP shard (each one r = tp / expert_tp dense TP shards wide), and
+the rank that holds the right expert-TP shard of a block may be another TP rank. So every expert is regrouped
+into the dense TP layout first: each rank gets all experts at its own TP shard, each piece sent by the one rank
+of its expert-TP x EP group (same stage, same expert-data-parallel replica) whose expert-TP shard contains it,
+as a point-to-point message straight into place (a piece the rank holds itself is copied). The reshard then
+sees an EP=1 model's TP shard as above. The rank's training experts stay allocated while generating (they are
+not a slot of any generation shard).
 """
 from __future__ import annotations
 
@@ -16,8 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.hybrid_engine.model_shapes import GATED_HALVES
 from hybridrl.hybrid_engine.reshard import ShardedParam
-from hybridrl.models.families import expert_number, renumber_expert
+from hybridrl.models.families import expert_number, renumber_expert, tp_shard
+from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
 
 class ExpertGather:
@@ -48,6 +59,8 @@ class ExpertGather:
             self.pairs.append((param, slots))
         self.buckets = self._buckets()
         self.collectives = len(self.buckets)  # all-gathers per transition
+        self.messages = 0
+        self.allocated_bytes = sum(p.tensor.numel() * p.tensor.element_size() for p in self.remote)
 
     def params(self, params: list[ShardedParam]) -> list[ShardedParam]:
         """The rank's training shards plus every remote expert's buffer: an EP=1 model's shard."""
@@ -94,3 +107,135 @@ class ExpertGather:
         """Drop the buffers' storage (after the transition back to training)."""
         for param in self.remote:
             param.tensor.untyped_storage().resize_(0)
+
+
+class ExpertRegroup:
+    """expert_tp < tp: every expert of the stage at this rank's dense TP shard, regrouped from the expert-TP
+    shards of the rank's expert-TP x EP group (see the module docstring). Construction is local (no collective):
+    every member derives the same schedule from the layout."""
+
+    def __init__(self, params: list[ShardedParam], num_experts: int, layout: ParallelLayout, rank: int,
+                 bucket_bytes: int = 32 << 20) -> None:
+        self.layout, self.rank = layout, rank
+        self.ratio = layout.tp // layout.expert_tp  # dense TP shards per expert-TP shard
+        coords, me = layout.coords(rank), layout.expert_coords(rank)
+        self.tp_rank, self.me = coords.tp, me
+        per_block = num_experts // layout.ep
+        local = sorted((p for p in params if expert_number(p.name) is not None), key=lambda p: p.name)
+        self.local_names = {p.name for p in local}
+        # one "kind" per local tensor, named by its local expert number: the same list on every member
+        self.kinds = [(renumber_expert(p.name, expert_number(p.name) - me.ep * per_block), p) for p in local]
+        for kind, param in self.kinds:
+            self._check_divisible(kind, param)
+        grid = {(e.etp, e.ep): r for r in layout.ranks()
+                for e in [layout.expert_coords(r)] if layout.coords(r).pp == coords.pp and e.edp == me.edp}
+        # the holder of block b's expert-TP shard containing dense TP shard c
+        self.holder = lambda block, tp_rank: grid[(tp_rank // self.ratio, block)]
+        self.peers = sorted({r for r in grid.values() if r != rank})
+        self.buckets = self._buckets(bucket_bytes)
+        # one flat buffer: bucket by bucket, block by block, kind by kind; the tensors of one block in one bucket
+        # are one contiguous region, so a message lands in place
+        sample = local[0].tensor if local else None
+        total = sum(layout.ep * self._chunk_numel(p) for _, p in self.kinds)
+        self.flat = sample.new_empty(total) if sample is not None else torch.empty(0)
+        self.regions: list[list[tuple[int, int, int]]] = []  # per bucket: (block, offset, numel)
+        self.remote: list[ShardedParam] = []
+        offset = 0
+        for bucket in self.buckets:
+            regions = []
+            for block in range(layout.ep):
+                start = offset
+                for kind, param in bucket:
+                    numel = self._chunk_numel(param)
+                    shape = list(param.tensor.shape)
+                    shape[param.partition_dim] //= self.ratio
+                    view = self.flat.as_strided(shape, _contiguous_strides(shape), offset)
+                    name = renumber_expert(kind, block * per_block + expert_number(kind))
+                    self.remote.append(ShardedParam(name, view, param.partition_dim, param.stage, param.regroup))
+                    offset += numel
+                regions.append((block, start, offset - start))
+            self.regions.append(regions)
+        self.allocated_bytes = total * self.flat.element_size()
+        self.flat.untyped_storage().resize_(0)  # storage only during a transition (the views stay valid)
+        self.collectives = 0
+        self.messages = sum(1 for regions in self.regions for block, _, n in regions
+                            if n and self.holder(block, self.tp_rank) != rank)
+
+    def _check_divisible(self, kind: str, param: ShardedParam) -> None:
+        if param.partition_dim is None:
+            raise LayoutError(f"expert weight {kind} has no TP partition dim; experts are split")
+        size = param.tensor.shape[param.partition_dim]
+        if size % ((2 if param.regroup == GATED_HALVES else 1) * self.ratio):
+            raise LayoutError(f"{kind}: an expert-TP shard of {size} along dim {param.partition_dim} cannot be cut "
+                              f"into tp/expert_tp = {self.ratio} dense TP shards; choose expert_tp = tp or a tp "
+                              f"that divides the expert's intermediate size")
+
+    def _chunk_numel(self, param: ShardedParam) -> int:
+        return param.tensor.numel() // self.ratio
+
+    def _buckets(self, bucket_bytes: int) -> list[list[tuple[str, ShardedParam]]]:
+        """Kinds in groups whose send scratch (every sub-shard of the local tensors) stays within a bucket."""
+        buckets: list[list] = [[]]
+        size = 0
+        for kind, param in self.kinds:
+            nbytes = param.tensor.numel() * param.tensor.element_size()
+            if buckets[-1] and size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((kind, param))
+            size += nbytes
+        return [bucket for bucket in buckets if bucket]
+
+    def params(self, params: list[ShardedParam]) -> list[ShardedParam]:
+        """The rank's dense training shards plus every expert at its TP shard: an EP=1 model's TP shard."""
+        return [p for p in params if p.name not in self.local_names] + self.remote
+
+    def _piece(self, param: ShardedParam, sub: int) -> torch.Tensor:
+        return tp_shard(param.name, param.tensor.detach(), param.partition_dim, sub, self.ratio).reshape(-1)
+
+    @torch.no_grad()
+    def gather(self) -> int:
+        """Fill the buffer with every expert at this rank's TP shard; returns the bytes received."""
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        block, received = self.me.ep, 0
+        # who takes a sub-shard of this rank's own block: the members whose TP shard lies in its expert-TP shard
+        takers = [(peer, self.layout.coords(peer).tp) for peer in self.peers
+                  if self.holder(block, self.layout.coords(peer).tp) == self.rank]
+        for tag, (bucket, regions) in enumerate(zip(self.buckets, self.regions)):
+            works, packed = [], {}
+            for source_block, start, numel in regions:
+                holder = self.holder(source_block, self.tp_rank)
+                region = self.flat.narrow(0, start, numel)
+                if holder == self.rank:  # a piece of the rank's own experts: one copy
+                    torch.cat([self._piece(p, self.tp_rank % self.ratio) for _, p in bucket], out=region)
+                else:
+                    works.append(dist.irecv(region, holder, tag=tag))
+                    received += numel * region.element_size()
+            for peer, peer_tp in takers:
+                sub = peer_tp % self.ratio
+                if sub not in packed:
+                    packed[sub] = torch.cat([self._piece(p, sub) for _, p in bucket])
+                works.append(dist.isend(packed[sub], peer, tag=tag))
+            for work in works:
+                work.wait()
+        return received
+
+    def release(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+
+
+def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def expert_stage(params: list[ShardedParam], num_experts: int, layout: ParallelLayout, rank: int, ep_group: Any,
+                 bucket_bytes: int) -> ExpertGather | ExpertRegroup:
+    """What brings a rank's experts into an EP=1 model's TP shard before the reshard: an all-gather inside the
+    expert-parallel group when expert TP equals TP, a regroup over the expert-TP x EP group below it."""
+    if layout.expert_tp == layout.tp:
+        return ExpertGather(params, num_experts, ep_group, bucket_bytes=bucket_bytes)
+    return ExpertRegroup(params, num_experts, layout, rank, bucket_bytes=bucket_bytes)

@@ -25,6 +25,12 @@ part with (t p -> t_g p_g) and to the experts with (t p ep -> t_g p_g e_g); stil
 hybridflow_v gathers every expert inside the expert-parallel group first, then the whole model inside TP x PP;
 ds_chat (ZeRO-3, which has no expert parallelism) gathers over all ranks, each rank's partition being 1/(t p d)
 of the model (the experts split over the d / ep ranks that replicate them).
+
+With an expert TP below the TP (expert_tp < tp; e_g = 1) the first stage is a regroup instead (experts.py
+ExpertRegroup): inside each expert-TP x EP group every rank receives every expert block at its dense TP shard
+from the one member whose expert-TP shard contains it (its own block's piece is copied when it holds it). A
+rank's training experts (a block at its expert-TP shard, tp / expert_tp dense shards wide) are not a slot of its
+generation shard, so hybrid holds them beside it: Table 2's zero redundancy holds for the dense part only.
 """
 from __future__ import annotations
 
@@ -131,16 +137,49 @@ class HybridEnginePlan:
             return self.train.model_parallel_groups()
         return [list(self.train.ranks())]
 
+    @property
+    def regroups_experts(self) -> bool:
+        """expert_tp < tp: the experts are regrouped into the dense TP layout before the reshard."""
+        return bool(self.shapes.num_experts) and self.train.expert_tp != self.train.tp
+
     def expert_gather_groups(self, strategy: str = "hybrid") -> list[list[int]]:
         """The first stage with expert parallelism: inside each expert-parallel group, the ranks whose expert
         blocks make one generation expert block all-gather them (hybrid: ep / e_g ranks; hybridflow_v: all ep,
-        it builds the whole model; ds_chat: none, ZeRO-3 has no expert parallelism). Empty when nothing moves."""
+        it builds the whole model; ds_chat: none, ZeRO-3 has no expert parallelism). Empty when nothing moves.
+        With expert_tp < tp: the expert-TP x EP groups the regroup runs in."""
         check_strategy(strategy)
+        if self.regroups_experts:
+            if strategy == "ds_chat":
+                return []
+            groups: dict[tuple[int, int], list[int]] = {}
+            for rank in self.train.ranks():
+                groups.setdefault((self.train.coords(rank).pp, self.train.expert_coords(rank).edp), []).append(rank)
+            return list(groups.values())
         size = {"hybrid": self.train.ep // self.gen.ep, "hybridflow_v": self.train.ep, "ds_chat": 1}[strategy]
         if size == 1:
             return []
         return [group[i:i + size] for group in self.train.expert_parallel_groups()
                 for i in range(0, len(group), size)]
+
+    def expert_first_stage(self, strategy: str = "hybrid") -> dict[int, tuple[int, int, int]]:
+        """Per rank (received, sent, copied from its own experts) payload bytes of the experts' first stage."""
+        out: dict[int, tuple[int, int, int]] = {}
+        if not self.regroups_experts:
+            for group in self.expert_gather_groups(strategy):
+                for rank in group:
+                    moved = (len(group) - 1) * self.expert_share(rank, self.train.ep)[0]
+                    out[rank] = (moved, moved, 0)
+            return out
+        ratio = self.train.tp // self.train.expert_tp
+        for group in self.expert_gather_groups(strategy):
+            for rank in group:
+                c, me = self.train.coords(rank), self.train.expert_coords(rank)
+                own = c.tp // ratio == me.etp  # it holds the expert-TP shard its own TP shard lies in
+                block = self.expert_share(rank, self.train.ep)[0]
+                sent = sum(self.expert_share(peer, self.train.ep)[0] for peer in group
+                           if peer != rank and self.train.coords(peer).tp // ratio == me.etp)
+                out[rank] = ((self.train.ep - own) * block, sent, own * block)
+        return out
 
     def expert_share(self, rank: int, blocks: int) -> tuple[int, int]:
         """(payload, padding) bytes of the rank's experts when they are split in `blocks` blocks."""
@@ -160,7 +199,7 @@ class HybridEnginePlan:
         dense = self.table.partitioned[c.pp][c.tp] + (self.table.replicated[c.pp] if owner_tp else 0)
         dense_padding = self.table.tp_padding[c.pp][c.tp]
         if strategy == "ds_chat":  # flat ZeRO-3 split of the model-parallel shard over its replicas
-            ep = self.train.ep
+            ep = 1 if self.regroups_experts else self.train.ep  # ZeRO-3 knows no expert grid
             expert, expert_padding = (x // self.dtype_bytes for x in self.expert_share(rank, ep))
             parts = [_split(dense, dense_padding, self.train.dp, c.dp),
                      _split(expert, expert_padding, self.train.dp // ep, c.dp // ep)]
@@ -170,10 +209,14 @@ class HybridEnginePlan:
 
     def training_bytes(self, rank: int) -> int:
         """Payload bytes of the rank's training-layout parameters (Megatron: its TP x PP shard, 1/ep of the
-        experts)."""
+        experts at its expert-TP shard)."""
         c = self.train.coords(rank)
         dense = (self.table.partitioned[c.pp][c.tp] + self.table.replicated[c.pp]) * self.dtype_bytes
-        return dense + self.expert_share(rank, self.train.ep)[0]
+        if not self.regroups_experts:
+            return dense + self.expert_share(rank, self.train.ep)[0]
+        ratio, shard = self.train.tp // self.train.expert_tp, self.train.expert_coords(rank).etp
+        experts = sum(self.table.experts[c.pp][shard * ratio:(shard + 1) * ratio]) // self.train.ep
+        return dense + experts * self.dtype_bytes
 
     # ---- composition of generation shards -----------------------------------------------------------
     def gen_shard(self, rank: int) -> GenShard:

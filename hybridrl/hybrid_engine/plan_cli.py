@@ -59,7 +59,7 @@ def build_report(args: argparse.Namespace) -> dict:
     report = {
         "model": args.model, "dtype": args.dtype, "model_bytes": plan.model_bytes,
         "expert_bytes": plan.expert_bytes, "num_experts": shapes.num_experts,
-        "train": {"tp": train.tp, "pp": train.pp, "dp": train.dp, "ep": train.ep},
+        "train": {"tp": train.tp, "pp": train.pp, "dp": train.dp, "ep": train.ep, "expert_tp": train.expert_tp},
         "gen": {"tp": gen.tp, "pp": gen.pp, "ep": gen.ep, "micro_dp": plan.groups.micro_dp_size,
                 "dp": plan.groups.gen_dp_size},
         "expert_gather_groups": plan.expert_gather_groups("hybrid"),
@@ -81,7 +81,7 @@ def _print_text(report: dict) -> None:
           f"({report['model_bytes'] / 2**30:.2f} GiB)")
     if report["num_experts"]:
         print(f"experts: {report['num_experts']} per MoE layer, E = {report['expert_bytes'] / 2**30:.2f} GiB; "
-              f"training ep={tr['ep']} -> generation e_g={ge['ep']}")
+              f"training ep={tr['ep']} expert_tp={tr['expert_tp']} -> generation e_g={ge['ep']}")
     print(f"training p={tr['pp']} t={tr['tp']} d={tr['dp']} -> generation p_g={ge['pp']} t_g={ge['tp']} "
           f"d_g={ge['micro_dp']} d={tr['dp']} ({ge['dp']} generation replicas)")
     for key in ("expert_gather_groups", "micro_dp_groups", "gen_tp_groups", "gen_pp_groups"):
