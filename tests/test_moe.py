@@ -9,6 +9,9 @@ with EP=2 and EP=4: the expert-parallel groups then span TP ranks) is checked th
 """
 from __future__ import annotations
 
+import argparse
+import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -458,8 +461,6 @@ def test_grpo_moe_config_learns_with_expert_parallelism(ray_two_devices):
     parallelism, and at TP=2 with whole experts split over the two TP ranks (expert_tp=1, EP=2: the hybrid
     engine regroups them into the TP layout); later steps differ slightly: the load-balancing loss depends on how
     tokens are grouped."""
-    import math
-
     from test_trainer_e2e import run_steps
 
     _, history = run_steps([], "grpo_moe_tiny.yaml")
@@ -529,3 +530,35 @@ def test_qwen3_30b_a3b_recipe_plans_on_the_real_architecture(tmp_path):
         plan_run(load_config(recipe, [f"actor.model.path={tmp_path / 'qwen3-30b-a3b'}",
                                       f"data.train_files=[{prompts}]", "reward.fn=hybridrl.data.tasks:charset_reward",
                                       "rollout.engine=native", "actor.parallel.sequence_parallel=false"]))
+
+
+@pytest.mark.slow
+def test_expert_tp_checkpoint_resumes_exactly_and_on_another_expert_grid(ray_two_devices, tmp_path):
+    """grpo_moe_tiny at TP=2 with whole experts (expert_tp=1, ep=2: each TP rank holds 2 of the 4 experts), a
+    checkpoint at step 2: resuming on the same layout gives the uninterrupted run's step 3 exactly; resuming at
+    TP=1 / EP=2 (each expert block now on a DP rank, whole) loads the experts and optimizer state where Megatron's
+    distributed checkpoint puts them, and step 3's samples and loss equal the uninterrupted run's."""
+    import json
+
+    from hybridrl.trainer.train_cli import run
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "grpo_moe_tiny.yaml"
+    grid = ["actor.parallel.tp=2", "actor.parallel.ep=2", "actor.parallel.expert_tp=1",
+            "actor.parallel.sequence_parallel=true"]
+
+    def train(run_dir, overrides):
+        args = argparse.Namespace(config=str(config), print_config=False,
+                                  overrides=[f"trainer.run_dir={run_dir}", "trainer.save_every=2", *overrides])
+        assert run(args) == 0
+        return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+    reference = train(tmp_path / "ref", grid + ["trainer.steps=3"])
+    for name, layout in (("same", grid), ("tp1", ["actor.parallel.ep=2"])):
+        run_dir = tmp_path / name
+        shutil.copytree(tmp_path / "ref" / "ckpt" / "step_2", run_dir / "ckpt" / "step_2")
+        (run_dir / "ckpt" / "latest").write_text("step_2\n")
+        resumed = train(run_dir, layout + ["trainer.steps=3", "trainer.resume=auto"])[3]
+        rel = 0.0 if name == "same" else 1e-4
+        for key in ("reward_mean", "response_length_mean", "actor/pg_loss", "kl_mean"):
+            assert math.isclose(resumed[key], reference[3][key], rel_tol=rel, abs_tol=1e-6 if rel else 0), \
+                (name, key, resumed[key], reference[3][key])
