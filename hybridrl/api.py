@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "ignore_eos")
 # Micro-batches pack sequences up to this many tokens (None: micro_batch_size sequences, one per row).
 DEFAULT_MAX_TOKENS_PER_MICRO_BATCH = 8192
-ROLLOUT_ENGINE_KEYS = ("engine", "tp", "reshard", "bucket_mb", "max_model_len", "max_batch_size", "options",
+ROLLOUT_ENGINE_KEYS = ("engine", "tp", "ep", "reshard", "bucket_mb", "max_model_len", "max_batch_size", "options",
                        "routing")
 
 

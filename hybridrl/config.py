@@ -78,6 +78,9 @@ class RolloutConfig:
     engine: str = "auto"  # auto (vllm where the model and machine support it, else native) | native | vllm
     tp: int = 1
     pp: int = 1
+    # generation expert parallelism (mixture-of-experts actor, native engine, colocated): each generation replica
+    # holds 1/ep of the experts and the ep replicas decode in lockstep; divides actor.parallel.ep
+    ep: int = 1
     n: int = 1  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0

@@ -82,6 +82,7 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("{r}.parallel.tp", "{r}.parallel.pp"), _at_least(1), "must be >= 1", "1 means no split"),
     (("{r}.parallel.dp",), _optional(_at_least(1)), "must be >= 1", "leave unset: the pool's devices / (tp * pp)"),
     (("{r}.parallel.ep",), _at_least(1), "must be >= 1", "1: every rank holds all experts"),
+    (("rollout.ep",), _at_least(1), "must be >= 1", "1: every generation replica holds all experts"),
     (("{r}.parallel.expert_tp",), _optional(_at_least(1)), "must be >= 1",
      "leave unset for the dense tp; 1 keeps each expert whole"),
     (("{m}.optim.optimizer",), _one_of(*OPTIMIZERS), f"is not one of {list(OPTIMIZERS)}", "adam"),

@@ -32,7 +32,7 @@ BAD = {
     "algorithm.rollout_correction_cap": 0.5, "algorithm.rollout_correction_level": "weird",
     "algorithm.cost_limit": "inf", "algorithm.lagrangian_lr": 0, "algorithm.lagrangian_init": -1, "algorithm.max_staleness": -1,
     **{f"{role}.{key}": value for role in ("actor", "ref", "critic") for key, value in ROLE_BAD.items()},
-    "rollout.engine": "sglang", "rollout.tp": 0, "rollout.pp": 2, "rollout.n": 0, "rollout.temperature": -1,
+    "rollout.engine": "sglang", "rollout.tp": 0, "rollout.ep": 0, "rollout.pp": 2, "rollout.n": 0, "rollout.temperature": -1,
     "rollout.top_p": 1.5, "rollout.top_k": -2, "rollout.max_new_tokens": 0, "rollout.ignore_eos": "maybe",
     "rollout.reshard": "weird", "rollout.bucket_mb": 0, "rollout.max_model_len": 0, "rollout.max_batch_size": 0, "rollout.pool": "''",
     "rollout.partial": "maybe", "rollout.routing_replay": "maybe", "rollout.record_routing": "maybe",

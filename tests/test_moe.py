@@ -268,8 +268,8 @@ def test_convert_with_expert_parallelism_round_trips_bit_exact(moe_models, tmp_p
 
 # ---- the 3D-HybridEngine with experts ----------------------------------------------------------------------
 def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: torch.Tensor, bucket_mb: float,
-                           gen_tp: int = 1):
-    """Training model at `layout` -> generation model at t_g = gen_tp with every expert; returns per rank the
+                           gen_tp: int = 1, gen_ep: int = 1):
+    """Training model at `layout` -> generation model at t_g = gen_tp, e_g = gen_ep; returns per rank the
     generation logits, the expert bytes received (and the bytes this rank's experts hold), and whether the
     training weights came back bit-identical with the gathered experts' buffers freed."""
     from megatron.core import parallel_state as ps
@@ -285,10 +285,11 @@ def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: to
     model = build_gpt_model(hf_config, sequence_parallel=layout.sequence_parallel)
     load_hf_weights(model, model_dir, hf_config)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = HybridEngine(model, hf_config, layout, GenerationLayout(tp=gen_tp), bucket_mb=bucket_mb)
+    engine = HybridEngine(model, hf_config, layout, GenerationLayout(tp=gen_tp, ep=gen_ep), bucket_mb=bucket_mb)
     local_expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                              if expert_number(n) is not None)
     gen = engine.to_generation()
+    gen_shapes = engine._gen_shapes
     with torch.no_grad():
         logits = gen(input_ids, torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1), None,
                      runtime_gather_output=True)
@@ -297,10 +298,12 @@ def _moe_engine_round_trip(model_dir: str, layout: ParallelLayout, input_ids: to
     engine.to_training()
     restored = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     freed = all(p.tensor.untyped_storage().size() == 0 for p in engine.experts.remote) if engine.experts else True
+    gen_experts = sorted({expert_number(n) for n in gen_shapes if expert_number(n) is not None})
     return {"logits": logits[..., :VOCAB], "received": received, "local_expert_bytes": local_expert_bytes,
             "ep": ps.get_expert_model_parallel_world_size(), "restored": restored, "freed": freed,
-            "buckets": len(engine.experts.buckets), "recv": stats.recv_payload_bytes, "buffer": stats.buffer_bytes,
-            "held": stats.held_bytes, "expert_messages": engine.experts.messages}
+            "buckets": len(engine.experts.buckets) if engine.experts else 0, "recv": stats.recv_payload_bytes,
+            "buffer": stats.buffer_bytes, "held": stats.held_bytes, "gen_experts": gen_experts,
+            "expert_messages": engine.experts.messages if engine.experts else 0}
 
 
 @pytest.mark.slow
@@ -350,6 +353,96 @@ def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, m
             assert out["restored"] and out["freed"], where
             assert out["recv"] == costs[rank].recv_payload and out["buffer"] == costs[rank].buffer_payload, where
             assert out["held"] == costs[rank].buffer_payload - plan.training_bytes(rank) + costs[rank].redundant
+
+
+@pytest.mark.slow
+def test_hybrid_engine_generates_with_expert_parallelism(dist_pool, moe_models):
+    """Generation expert parallelism e_g = 2: each generation rank holds one half of the experts (its block,
+    global numbers) and the MoE layers dispatch tokens between the two replicas; the generation logits equal
+    transformers'. From training EP=4 the ranks gather in pairs (ep / e_g), from EP=2 nothing moves before the
+    reshard; bytes, the generation buffer and held memory equal the plan's accounting (e_g in Table 2)."""
+    from hybridrl.hybrid_engine.accounting import account
+    from hybridrl.hybrid_engine.model_shapes import model_shapes
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
+
+    model_dir = str(moe_models["mixtral"])
+    input_ids, _ = _batch()
+    ref = hf_reference(model_dir, input_ids)
+    pool = dist_pool(WORLD)
+    for layout, bucket_mb, gen_tp in ((ParallelLayout(tp=1, dp=4, ep=4), 32.0, 1),
+                                      (ParallelLayout(tp=1, dp=4, ep=4), 0.02, 1),
+                                      (ParallelLayout(tp=1, dp=4, ep=2), 32.0, 1),
+                                      (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 32.0, 1),
+                                      (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 32.0, 2)):
+        gen = GenerationLayout(tp=gen_tp, ep=2)
+        plan = HybridEnginePlan(layout, gen, model_shapes(model_dir), dtype_bytes=4)
+        groups = GenerationGroups(layout, gen)
+        costs, first = account(plan, "hybrid").ranks, plan.expert_first_stage()
+        outs = pool.run(_moe_engine_round_trip, model_dir, layout, input_ids, bucket_mb, gen_tp, 2)
+        for rank, out in enumerate(outs):
+            where = f"rank {rank} at {layout.describe()} -> t_g={gen_tp} e_g=2"
+            block = groups.gen_expert_block(rank)
+            assert out["gen_experts"] == [2 * block, 2 * block + 1], (where, out["gen_experts"])
+            assert (out["logits"] - ref.logits).abs().max().item() <= ATOL, where
+            assert out["received"] == first.get(rank, (0,))[0], where
+            assert (out["received"] > 0) == (layout.ep == 4), where
+            assert out["restored"] and out["freed"], where
+            assert out["recv"] == costs[rank].recv_payload and out["buffer"] == costs[rank].buffer_payload, where
+            assert out["held"] == costs[rank].buffer_payload - plan.training_bytes(rank) + costs[rank].redundant
+
+
+def _lockstep_generation(model_dir: str, layout: ParallelLayout, rows_per_rank: list[int], sampled: bool):
+    """Each rank generates its own rows (a different count per rank, none on some) with the native engine at
+    e_g = 2 and then at e_g = 1 (every expert on each rank); returns both outputs."""
+    import torch.distributed as dist
+
+    from hybridrl.hybrid_engine.engine import HybridEngine
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.rollout import SamplingParams
+    from hybridrl.rollout.native import NativeRolloutEngine
+
+    initialize_model_parallel(layout)
+    hf_config = load_hf_config(model_dir)
+    model = build_gpt_model(hf_config)
+    load_hf_weights(model, model_dir, hf_config)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    rows = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()
+            for n in torch.randint(2, 9, (rows_per_rank[dist.get_rank()],), generator=gen)]
+    # stop at many tokens, so rows (and replicas) finish at different steps
+    params = SamplingParams(max_new_tokens=12, temperature=1.0 if sampled else 0.0, seed=7,
+                            stop_token_ids=tuple(range(3, VOCAB, 9)))
+    out = {}
+    for gen_ep in (2, 1):
+        hybrid = HybridEngine(model, hf_config, layout, GenerationLayout(ep=gen_ep))
+        engine = NativeRolloutEngine(hybrid.to_generation(), max_model_len=32, vocab_size=VOCAB, max_batch_size=2)
+        assert (engine.ep_group is not None) == (gen_ep == 2)
+        done = engine.generate_rows(rows, params)
+        out[gen_ep] = [(s.tokens, s.log_probs) for s in done]
+        hybrid.to_training()
+    return out
+
+
+@pytest.mark.slow
+def test_native_engine_decodes_in_lockstep_with_generation_expert_parallelism(dist_pool, moe_models):
+    """e_g = 2 in the native engine: the two replicas of each expert-parallel pair hold 3 and 1, or 0 and 2 rows
+    (batches of 2: one replica runs a placeholder batch, one has nothing of its own at all), stop at different
+    steps, and still run their MoE layers together; every row's tokens equal the e_g = 1 engine's and its
+    log-probs too (<= 1e-5), greedy and sampled."""
+    pool = dist_pool(WORLD)
+    model_dir = str(moe_models["qwen3_moe"])
+    for sampled in (False, True):
+        outs = pool.run(_lockstep_generation, model_dir, ParallelLayout(tp=1, dp=4, ep=2), [3, 0, 1, 2], sampled)
+        lengths = set()
+        for rank, out in enumerate(outs):
+            assert len(out[2]) == len(out[1]) == [3, 0, 1, 2][rank]
+            for (tokens, log_probs), (want_tokens, want_log_probs) in zip(out[2], out[1]):
+                assert tokens == want_tokens, (rank, sampled)
+                assert max((abs(a - b) for a, b in zip(log_probs, want_log_probs)), default=0.0) <= 1e-5
+                lengths.add(len(tokens))
+        assert len(lengths) > 1, lengths  # rows stopped at different steps
 
 
 # ---- routing replay ------------------------------------------------------------------------------------------
@@ -485,6 +578,23 @@ def test_grpo_moe_config_learns_with_expert_parallelism(ray_two_devices):
 
 
 @pytest.mark.slow
+def test_expert_parallel_replicas_run_the_same_number_of_micro_batches(ray_two_devices):
+    """With a token budget of one 48-token row per micro-batch the two expert-parallel replicas pack their
+    sequences into different numbers of rows (31 and 32 at step 4 on this seed); their MoE layers exchange
+    tokens in every forward, so they agree on the larger count and the job runs on (without it the update of step
+    4 hangs: checked)."""
+    from test_trainer_e2e import run_steps
+
+    _, history = run_steps(["trainer.steps=4", "actor.max_tokens_per_micro_batch=48"], "grpo_moe_tiny.yaml")
+    _, whole = run_steps(["trainer.steps=4"], "grpo_moe_tiny.yaml")
+    assert len(history) == 4 and all(m["mismatch/log_prob_diff"] < 1e-5 for m in history)
+    # the first rollout and loss are the same job's; later steps move apart a little, because the routers'
+    # load-balancing loss depends on how the tokens are grouped into micro-batches
+    for key in ("reward_mean", "response_length_mean", "actor/pg_loss"):
+        assert math.isclose(history[0][key], whole[0][key], rel_tol=1e-4, abs_tol=1e-6), key
+
+
+@pytest.mark.slow
 def test_routing_replay_in_the_trainer(ray_two_devices):
     """grpo_moe_tiny with rollout.routing_replay=true: the rollout's experts travel with the sequences to the
     actor's old-log-prob and update forwards; moe/routing_mismatch is logged (the colocated rollout routes as
@@ -503,6 +613,34 @@ def test_routing_replay_in_the_trainer(ray_two_devices):
         plan_run(load_config(None, ["rollout.record_routing=true"]))
     with pytest.raises(ConfigError, match="rollout.routing_replay=true with multi-turn episodes"):
         plan_run(load_config("grpo_moe_tiny.yaml", ["rollout.routing_replay=true", "rollout.env=charset_turns"]))
+
+
+@pytest.mark.slow
+def test_generation_expert_parallelism_in_the_trainer(ray_two_devices):
+    """grpo_moe_tiny with rollout.ep=2: each generation replica holds 2 of the 4 experts (nothing is gathered:
+    e_g = ep), the replicas decode in lockstep, and the first two steps equal the same job's with every expert on
+    each replica; the rollout's log-probs equal the trainer's. The plan refuses rollout.ep for a dense model, one
+    that does not divide actor.parallel.ep, a rollout pool of its own and multi-turn episodes, before any worker
+    starts."""
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.trainer.plan import plan_run
+    from test_trainer_e2e import run_steps
+
+    _, split = run_steps(["trainer.steps=2", "rollout.ep=2"], "grpo_moe_tiny.yaml")
+    _, whole = run_steps(["trainer.steps=2"], "grpo_moe_tiny.yaml")
+    for a, b in zip(split, whole):
+        assert a["mismatch/log_prob_diff"] < 1e-5
+        for key in ("reward_mean", "response_length_mean", "actor/pg_loss"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), key
+    for overrides, needle in (
+            ([], "rollout.ep=2 splits the experts over generation replicas; the actor's model .* has no experts"),
+            (["actor.parallel.ep=1"], "rollout.ep=2: .*rollout.ep 2 does not divide actor.parallel.ep 1"),
+            (["resources.pools.gen=2", "rollout.pool=gen"],
+             "rollout.ep=2: generation expert parallelism runs in the native engine on the actor's pool"),
+            (["rollout.env=charset_turns"], "rollout.ep=2 with multi-turn episodes")):
+        config = None if not overrides else "grpo_moe_tiny.yaml"
+        with pytest.raises(ConfigError, match=needle):
+            plan_run(load_config(config, ["rollout.ep=2", *overrides]))
 
 
 def test_qwen3_30b_a3b_recipe_plans_on_the_real_architecture(tmp_path):

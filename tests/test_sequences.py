@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from hybridrl.workers.policy import response_index, response_mask
@@ -94,3 +95,31 @@ def test_rows_mode_and_uniform_pipeline_shapes():
         assert "max_tokens_per_micro_batch=5" in str(exc) and "at least 6" in str(exc)
     else:
         raise AssertionError("a budget below the longest sequence must be refused")
+
+
+def test_a_fixed_micro_batch_count_spreads_the_same_sequences():
+    """count= (expert-parallel replicas agree on how many forwards they run): the sequences are spread over more,
+    smaller micro-batches, shared rows unpacked when there are fewer rows than micro-batches; every sequence is
+    still found once at its place and the order restores; a count below the natural one or above the sequences
+    is refused."""
+    packed, response_mask = _lengths_example()
+    natural, _ = micro_batches(packed, {"response_mask": response_mask}, micro_batch_size=2, max_tokens=12)
+    assert len(natural) == 2
+    for count, rows in ((3, [1, 1, 1]), (4, [1, 1, 1, 2]), (5, [1, 1, 1, 1, 1])):
+        mbs, order = micro_batches(packed, {"response_mask": response_mask}, micro_batch_size=2, max_tokens=12,
+                                   count=count)
+        assert len(mbs) == count and [mb["input_ids"].shape[0] for mb in mbs] == rows, count
+        assert sorted(order) == [0, 1, 2, 3, 4]
+        seqs = iter(order)
+        for mb in mbs:
+            assert mb["input_ids"].shape[0] * 6 <= 12  # within the token budget
+            got = gather_at(mb["input_ids"], mb, torch.arange(6).unsqueeze(0).expand(len(mb["lengths"]), 6))
+            for row, n in zip(got, mb["lengths"].tolist()):
+                assert row[:n].tolist() == packed.input_ids[next(seqs), :n].tolist()
+        results = torch.cat([mb["lengths"] for mb in mbs])
+        assert restore_order(results, order).tolist() == packed.lengths.tolist()
+    mbs, _ = micro_batches(packed, {"response_mask": response_mask}, micro_batch_size=2, count=5)
+    assert [len(mb["lengths"]) for mb in mbs] == [1] * 5
+    for bad in (1, 6):
+        with pytest.raises(ValueError, match=f"{bad} micro-batches asked for 5 sequences"):
+            micro_batches(packed, {}, micro_batch_size=2, max_tokens=12, count=bad)

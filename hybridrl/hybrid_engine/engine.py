@@ -8,9 +8,10 @@ One object per rank, built once (collectively) next to the training model:
     engine.to_training()                 # release what generation held; training weights bit-identical
 
 When the generation layout equals the training layout (t_g = t, p = p_g = 1, no expert parallelism) nothing
-moves: the training model itself generates. Mixture-of-experts models generate with every expert on each rank
-(e_g = 1): with expert parallelism in training, the other ranks' experts are all-gathered first, or regrouped
-into the dense TP layout when the experts' TP is below the TP (experts.py).
+moves: the training model itself generates. Mixture-of-experts models generate with one of e_g blocks of the
+experts on each rank (every expert when e_g = 1): with expert parallelism in training, the experts of the other
+training blocks in the rank's generation block are all-gathered first, or regrouped into the dense TP layout
+when the experts' TP is below the TP (experts.py).
 Otherwise a generation-layout Megatron model (t_g, p_g; the rollout engines use p_g = 1, a p_g > 1 model is a
 pipeline stage run by the caller) is built on the strided generation groups
 (parallel/generation.py) and its parameters are pointed at the Resharder's generation buffer on each
@@ -50,10 +51,9 @@ class HybridEngine:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r}: the reshard bucket must be a positive size in MiB "
                              f"(e.g. 32)")
-        if gen_layout.ep != 1:
-            raise ValueError(f"generation expert parallelism e_g={gen_layout.ep}: the rollout engines generate with "
-                             f"every expert on each rank (e_g = 1); larger e_g is only planned (hybridrl plan "
-                             f"--gen-ep)")
+        if gen_layout.ep > 1 and (strategy != "hybrid" or gen_layout.pp != 1):
+            raise ValueError(f"generation expert parallelism e_g={gen_layout.ep} runs with the hybrid strategy and "
+                             f"p_g = 1 (got {strategy}, p_g={gen_layout.pp})")
         if layout.ep > 1 and strategy == "ds_chat":
             raise ValueError("strategy ds_chat is the ZeRO-3 baseline, which has no expert parallelism; with "
                              f"ep={layout.ep} use hybrid or hybridflow_v")
@@ -85,14 +85,11 @@ class HybridEngine:
         params = training_params(train_model, stage)
         self.experts = None  # expert parallelism: the other ranks' experts are gathered first (experts.py)
         if layout.ep > 1 or layout.expert_tp != layout.tp:
-            from megatron.core import parallel_state
-
             from hybridrl.hybrid_engine.experts import expert_stage
 
-            self.experts = expert_stage(params, inner.config.num_moe_experts, layout, self.rank,
-                                        parallel_state.get_expert_model_parallel_group(),
+            self.experts = expert_stage(params, inner.config.num_moe_experts, layout, self.rank, gen_layout.ep,
                                         bucket_bytes=max(1, int(bucket_mb * (1 << 20))))
-            params = self.experts.params(params)
+            params = self.experts.params(params) if self.experts is not None else params
         self.resharder = Resharder(self.groups, params, strategy,
                                    bucket_bytes=max(1, int(bucket_mb * (1 << 20))),
                                    release_training=release_training, generation_names=set(self._gen_shapes))

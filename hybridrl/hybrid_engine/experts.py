@@ -1,13 +1,14 @@
-"""Expert parallelism in training (ep > 1) -> generation without it (e_g = 1) for the colocated hybrid engine.
+"""Expert parallelism in training (ep > 1) -> generation (e_g dividing ep) for the colocated hybrid engine.
 
 A training rank holds num_experts / ep experts of each MoE layer (its expert-parallel rank's share, at its TP
-shard); every generation rank needs all of them (at its t_g shard). Before each reshard the ranks of an
-expert-parallel group all-gather their experts into buffers (one per expert this rank does not hold, named
-with the global expert number), so the reshard that follows sees, on every rank, a training shard of an
-EP=1 model and plans it like one. The buffers have storage only during a transition: to_training() frees
-them again, so training holds no extra memory; the gather itself packs the local experts into buckets (one
-all-gather each, at most bucket_mb received per bucket). Bytes: each rank receives (ep - 1) / ep of its TP shard of the
-expert weights (counted in ReshardStats.extra["expert_recv_bytes"] and in recv_payload_bytes).
+shard); a generation rank needs those of its generation block, ep / e_g training blocks (all of them when
+e_g = 1), at its t_g shard. Before each reshard the ep / e_g ranks whose blocks make one generation block
+all-gather their experts into buffers (one per expert this rank does not hold, named with the global expert
+number), so the reshard that follows sees, on every rank, a training shard of an EP=e_g model and plans it like
+one. The buffers have storage only during a transition: to_training() frees them again, so training holds no
+extra memory; the gather itself packs the local experts into buckets (one all-gather each, at most bucket_mb
+received per bucket). Bytes: each rank receives (ep / e_g - 1) x its own expert bytes (counted in
+ReshardStats.extra["expert_recv_bytes"] and in recv_payload_bytes).
 
 With an expert TP below the TP (expert_tp < tp, ExpertRegroup) a rank's experts are not a TP shard at all: it
 holds a whole block of experts at its expert-TP shard (each one r = tp / expert_tp dense TP shards wide), and
@@ -35,17 +36,19 @@ class ExpertGather:
     """The experts of the other ranks of this rank's expert-parallel group, gathered for the reshard."""
 
     def __init__(self, params: list[ShardedParam], num_experts: int, ep_group: Any,
-                 bucket_bytes: int = 32 << 20) -> None:
+                 bucket_bytes: int = 32 << 20, *, blocks: int | None = None, first_block: int = 0) -> None:
+        """ep_group: the ranks that gather together (their expert blocks first_block, first_block + 1, ...);
+        blocks: the training ep (default: the group's size)."""
         self.group, self.bucket_bytes = ep_group, max(1, bucket_bytes)
         self.ep, self.me = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-        per_rank = num_experts // self.ep
+        per_rank = num_experts // (blocks or self.ep)
         self.pairs: list[tuple[ShardedParam, list[torch.Tensor | None]]] = []
         self.remote: list[ShardedParam] = []
         for param in params:
             expert = expert_number(param.name)
             if expert is None:
                 continue
-            local = expert - self.me * per_rank
+            local = expert - (first_block + self.me) * per_rank
             slots: list[torch.Tensor | None] = []
             for rank in range(self.ep):
                 if rank == self.me:
@@ -53,7 +56,8 @@ class ExpertGather:
                     continue
                 buffer = torch.empty_like(param.tensor.detach())
                 buffer.untyped_storage().resize_(0)  # storage only during a transition
-                self.remote.append(ShardedParam(renumber_expert(param.name, rank * per_rank + local), buffer,
+                self.remote.append(ShardedParam(renumber_expert(param.name, (first_block + rank) * per_rank + local),
+                                                buffer,
                                                 param.partition_dim, param.stage, param.regroup))
                 slots.append(buffer)
             self.pairs.append((param, slots))
@@ -232,10 +236,21 @@ def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def expert_stage(params: list[ShardedParam], num_experts: int, layout: ParallelLayout, rank: int, ep_group: Any,
-                 bucket_bytes: int) -> ExpertGather | ExpertRegroup:
-    """What brings a rank's experts into an EP=1 model's TP shard before the reshard: an all-gather inside the
-    expert-parallel group when expert TP equals TP, a regroup over the expert-TP x EP group below it."""
-    if layout.expert_tp == layout.tp:
-        return ExpertGather(params, num_experts, ep_group, bucket_bytes=bucket_bytes)
-    return ExpertRegroup(params, num_experts, layout, rank, bucket_bytes=bucket_bytes)
+def expert_stage(params: list[ShardedParam], num_experts: int, layout: ParallelLayout, rank: int, gen_ep: int,
+                 bucket_bytes: int) -> ExpertGather | ExpertRegroup | None:
+    """What brings a rank's experts into an EP=e_g model's TP shard before the reshard (collective: every rank
+    calls it): an all-gather inside ep / e_g ranks of the expert-parallel group when expert TP equals TP (None
+    when e_g = ep: nothing to gather), a regroup over the expert-TP x EP group below it (e_g = 1)."""
+    if layout.expert_tp != layout.tp:
+        return ExpertRegroup(params, num_experts, layout, rank, bucket_bytes=bucket_bytes)
+    from hybridrl.hybrid_engine.reshard import new_group_of
+
+    size = layout.ep // gen_ep
+    gather_groups = [group[i:i + size] for group in layout.expert_parallel_groups()
+                     for i in range(0, len(group), size)]
+    members, group = new_group_of(rank, gather_groups)
+    if size == 1:
+        return None
+    first_block = layout.expert_coords(members[0]).ep
+    return ExpertGather(params, num_experts, group, bucket_bytes=bucket_bytes, blocks=layout.ep,
+                        first_block=first_block)

@@ -47,8 +47,8 @@ def generation_pg_collection(groups: GenerationGroups):
     """ProcessGroupCollection for this rank's generation-layout model (collective over all ranks): strided
     generation TP groups, generation PP groups (p_g stages; the rollout engines use p_g = 1), no context
     parallelism. No embedding group: tied embeddings are filled by the reshard on every stage that holds them.
-    Mixture-of-experts layers generate without expert parallelism (e_g = 1: every generation rank holds all
-    experts, TP-split like the dense MLPs)."""
+    Mixture-of-experts layers: the experts are TP-split like the dense MLPs; with e_g > 1 each rank holds one
+    generation expert block and the generation expert-parallel group dispatches tokens between them."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     rank = dist.get_rank()
@@ -67,6 +67,10 @@ def generation_pg_collection(groups: GenerationGroups):
     pgs.tp, pgs.pp, pgs.cp, pgs.mp, pgs.tp_cp = tp, pp, single, mp, tp
     pgs.dp, pgs.dp_cp = dp, dp
     pgs.ep, pgs.expt_tp, pgs.tp_ep, pgs.tp_ep_pp, pgs.expt_dp = single, tp, tp, mp, dp
+    if groups.gen.ep > 1:  # p_g = 1 here (checked by the engine): the model-parallel group is the TP group
+        pgs.ep = _this_ranks_group(groups.gen_ep_groups(), rank)
+        pgs.tp_ep = pgs.tp_ep_pp = _this_ranks_group(groups.gen_tp_ep_groups(), rank)
+        pgs.expt_dp = single  # generation computes no gradients
     pgs.tp_dp_cp = dist.group.WORLD  # only the load-balancing loss reduces over it: never at generation
     pgs.embd, pgs.pos_embd = None, None  # weights come from the reshard: no embedding sync across stages
     return pgs

@@ -28,10 +28,10 @@ class GenShard(NamedTuple):
 @dataclass(frozen=True)
 class GenerationLayout:
     """Generation model parallelism (t_g, p_g, e_g); the generation DP size follows from the training layout.
-    e_g (expert parallelism while generating) divides the training ep: each generation rank holds the
-    experts of e_g's block of the training expert blocks, so the expert-parallel gather stays inside
-    ep / e_g training ranks. The rollout engines generate with e_g = 1 (every expert on each rank); larger
-    e_g is planned and accounted (`hybridrl plan --gen-ep`) for the projections."""
+    e_g (expert parallelism while generating) divides the training ep: each generation rank holds one of e_g
+    blocks of the experts (ep / e_g consecutive training expert blocks), so the expert-parallel gather stays
+    inside ep / e_g training ranks, and the e_g generation replicas holding different blocks run their MoE
+    layers together (the native engine decodes them in lockstep)."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -178,6 +178,29 @@ class GenerationGroups:
     def gen_pp_groups(self) -> list[list[int]]:
         return [[self.rank_of(d, m, gp, gt) for gp in range(self.gen.pp)]
                 for d in range(self.train.dp) for m in range(self.micro_dp_size) for gt in range(self.gen.tp)]
+
+    @property
+    def expert_stride(self) -> int:
+        """s_e = ep / e_g: consecutive training expert blocks merged into one generation expert block."""
+        return self.train.ep // self.gen.ep
+
+    def gen_expert_block(self, rank: int) -> int:
+        """Which of the e_g generation expert blocks the rank holds (its generation expert-parallel rank)."""
+        return self.train.coords(rank).dp % self.train.ep // self.expert_stride
+
+    def gen_ep_groups(self) -> list[list[int]]:
+        """The e_g generation replicas (same micro-DP rank and generation shard, DP ranks s_e apart inside one
+        training expert-parallel group) that hold the e_g expert blocks, ordered by block."""
+        ep, stride = self.train.ep, self.expert_stride
+        return [[self.rank_of(edp * ep + block * stride + j, m, gp, gt) for block in range(self.gen.ep)]
+                for edp in range(self.train.dp // ep) for j in range(stride) for m in range(self.micro_dp_size)
+                for gp in range(self.gen.pp) for gt in range(self.gen.tp)]
+
+    def gen_tp_ep_groups(self) -> list[list[int]]:
+        """Generation TP x EP (TP fastest, as Megatron orders it): the ranks a MoE layer's dispatcher spans."""
+        tp_of = {r: g for g in self.gen_tp_groups() for r in g}
+        return [[r for member in group for r in tp_of[member]] for group in self.gen_ep_groups()
+                if self.gen_shard(group[0]).gen_tp == 0]
 
     def gen_dp_groups(self) -> list[list[int]]:
         """Ranks holding the same generation shard, ordered by generation DP rank."""

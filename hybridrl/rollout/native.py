@@ -17,6 +17,11 @@ with no extra communication. Pipeline parallelism at generation (p_g > 1) is not
 
 record_routing (mixture-of-experts models): the experts every forward routed each token to are kept per
 sequence (prompt and response positions; models/routing_replay.py), for the trainer to replay or compare.
+
+Generation expert parallelism (e_g > 1, the model's expert-parallel group): each MoE layer sends tokens to the
+replicas holding their experts, so the e_g replicas, each with its own prompts, must run the same forwards:
+they agree on the number of batches (a replica out of rows decodes a one-token placeholder row, discarded),
+on when every row has stopped, and on interrupts. One small all-reduce per check; nothing without experts.
 """
 from __future__ import annotations
 
@@ -81,6 +86,9 @@ class NativeRolloutEngine(RolloutEngine):
         self.pad_token_id = int(pad_token_id)
         pg_collection = getattr(gpt, "pg_collection", None)
         self.tp_group = getattr(pg_collection, "tp", None)
+        ep_group = getattr(pg_collection, "ep", None) if getattr(gpt.config, "num_moe_experts", None) else None
+        # the replicas whose MoE layers exchange tokens: they decode in lockstep (None: no one to wait for)
+        self.ep_group = ep_group if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1 else None
         self.device = next(gpt.parameters()).device
         self._context = None  # StaticInferenceContext, built lazily, dropped by release()
         self._fast = None
@@ -145,6 +153,14 @@ class NativeRolloutEngine(RolloutEngine):
             self._context.reset()
 
     # ---- generation --------------------------------------------------------------------------------
+    def _agree(self, value: int, op=None) -> int:
+        """The generation expert-parallel replicas' common value (max by default); value itself without them."""
+        if self.ep_group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(tensor, op=op or torch.distributed.ReduceOp.MAX, group=self.ep_group)
+        return int(tensor.item())
+
     def _shared_seed(self, seed: int | None) -> int:
         """The seed every rank of the generation TP group samples with (drawn once when not given)."""
         if seed is not None:
@@ -182,10 +198,15 @@ class NativeRolloutEngine(RolloutEngine):
         try:
             sequences: list[GeneratedSequence] = []
             interrupted = False
-            for start in range(0, len(rows), self.max_batch_size):
+            chunks = self._agree(-(-len(rows) // self.max_batch_size))
+            for start in range(0, chunks * self.max_batch_size, self.max_batch_size):
                 chunk = slice(start, start + self.max_batch_size)
                 if interrupted:
                     sequences.extend(GeneratedSequence(list(ids), [], [], "interrupted") for ids in rows[chunk])
+                    continue
+                if start >= len(rows):  # the other expert-parallel replicas still have rows: run with them
+                    _, interrupted = self._generate_chunk([[self.pad_token_id]], params, None, interrupt,
+                                                          placeholder=True)
                     continue
                 done, interrupted = self._generate_chunk(rows[chunk], params,
                                                          None if uniforms is None else uniforms[chunk], interrupt)
@@ -208,8 +229,13 @@ class NativeRolloutEngine(RolloutEngine):
         return logits[:, :self.vocab_size].float()
 
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
-                        interrupt: Callable[[], bool] | None = None) -> tuple[list[GeneratedSequence], bool]:
+                        interrupt: Callable[[], bool] | None = None,
+                        placeholder: bool = False) -> tuple[list[GeneratedSequence], bool]:
+        """placeholder: a row that only keeps this replica's forwards in step with its expert-parallel peers
+        (stopped from the start; its output is dropped)."""
         batch, dev = len(rows), self.device
+        if placeholder and uniforms is None and not params.is_greedy:
+            uniforms = torch.zeros((batch, params.max_new_tokens), dtype=torch.float64, device=dev)
         prompt_len = max(len(r) for r in rows)
         total_len = prompt_len + params.max_new_tokens
         tokens = torch.full((batch, total_len), self.pad_token_id, dtype=torch.long, device=dev)
@@ -238,7 +264,7 @@ class NativeRolloutEngine(RolloutEngine):
             routed[:, :prompt_len] = self.routing.take_recorded().view(prompt_len, batch, *routed.shape[2:]) \
                 .transpose(0, 1).cpu()
 
-        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        finished = torch.full((batch,), placeholder, dtype=torch.bool, device=dev)
         interrupted = False
         log_probs = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=dev)
         num_generated = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -256,9 +282,11 @@ class NativeRolloutEngine(RolloutEngine):
                 break
             # asking whether every row stopped is a host sync (a GPU stall): only every few steps, and never
             # without stop tokens; rows that stopped meanwhile are masked, so the result is the same
-            if stops and step % _STOP_CHECK_EVERY.get(dev.type, 1) == 0 and bool(finished.all()):
+            if stops and step % _STOP_CHECK_EVERY.get(dev.type, 1) == 0 and \
+                    self._agree(int(finished.all()), torch.distributed.ReduceOp.MIN):
                 break
-            if interrupt is not None and step % _INTERRUPT_CHECK_EVERY == _INTERRUPT_CHECK_EVERY - 1 and interrupt():
+            if interrupt is not None and step % _INTERRUPT_CHECK_EVERY == _INTERRUPT_CHECK_EVERY - 1 and \
+                    self._agree(int(interrupt())):
                 interrupted = True
                 break
             positions[:, pos] = positions[:, pos - 1] + 1

@@ -126,13 +126,14 @@ class RLTrainer:
 
         def parallel(role: str) -> dict | None:
             layout = plan.roles[role].layout
-            return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "sequence_parallel": layout.sequence_parallel}
+            return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "sequence_parallel": layout.sequence_parallel,
+                    "ep": layout.ep, "expert_tp": layout.etp}
 
         def pool(role: str):
             return self.pools[plan.roles[role].pool]
 
         a, r = cfg.actor, cfg.rollout
-        rollout = {"engine": plan.rollout_engine, "tp": r.tp, "reshard": r.reshard, "bucket_mb": r.bucket_mb,
+        rollout = {"engine": plan.rollout_engine, "tp": r.tp, "ep": r.ep, "reshard": r.reshard, "bucket_mb": r.bucket_mb,
                    "max_model_len": plan.max_model_len,
                    "max_batch_size": r.max_batch_size, "n": r.n, "temperature": r.temperature, "top_p": r.top_p,
                    "top_k": r.top_k, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos,

@@ -97,6 +97,33 @@ def _check_routing_record(roll: Any, plan: RunPlan) -> None:
     _check(not roll.env, f"{option}=true with multi-turn episodes (rollout.env) is not supported yet: unset one")
 
 
+def _check_generation_experts(roll: Any, plan: RunPlan) -> None:
+    """rollout.ep > 1: a mixture-of-experts actor whose ep it divides (expert_tp = tp), the native engine on the
+    actor's pool, single turns, the hybrid reshard."""
+    if roll.ep == 1:
+        return
+    from hybridrl.models import load_hf_config
+    from hybridrl.models.families import ModelDims
+    from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
+
+    path, actor = plan.roles["actor"].model_path, plan.roles["actor"].layout
+    _check(ModelDims.from_hf(load_hf_config(path)).moe is not None,
+           f"rollout.ep={roll.ep} splits the experts over generation replicas; the actor's model {path} has no "
+           f"experts: set rollout.ep=1")
+    try:
+        check_generation_layout(actor, GenerationLayout(tp=roll.tp, ep=roll.ep))
+    except LayoutError as exc:
+        raise ConfigError(f"rollout.ep={roll.ep}: {exc}".replace("--gen-ep", "rollout.ep")
+                          .replace("--train-ep", "actor.parallel.ep")) from None
+    _check(plan.rollout_engine == "native" and "rollout" not in plan.roles,
+           f"rollout.ep={roll.ep}: generation expert parallelism runs in the native engine on the actor's pool "
+           f"(rollout.engine resolved to {plan.rollout_engine}, rollout.pool={roll.pool!r}): set "
+           f"rollout.engine=native and rollout.pool to the actor's pool, or rollout.ep=1")
+    _check(not roll.env, f"rollout.ep={roll.ep} with multi-turn episodes (rollout.env) is not supported yet: the "
+                         f"replicas' turns would fall out of step; unset one")
+    _check(roll.reshard == "hybrid", f"rollout.ep={roll.ep} needs rollout.reshard=hybrid (got {roll.reshard})")
+
+
 def _episode_tokens(roll: Any) -> int:
     return roll.max_episode_tokens or 2 * roll.max_turns * roll.max_new_tokens
 
@@ -343,6 +370,7 @@ def plan_run(cfg: Any) -> RunPlan:
     plan.rollout_engine = _rollout_engine(roll.engine, plan.roles["actor"].model_path)
     _check_routing_record(roll, plan)
     _plan_rollout_pool(cfg, plan, pools, held)
+    _check_generation_experts(roll, plan)
     _check(actor.tp % roll.tp == 0 and roll.tp <= actor.tp,
            f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.tp} (a generation shard is regrouped from "
            f"whole training shards); choose rollout.tp in {[d for d in range(1, actor.tp + 1) if actor.tp % d == 0]}")

@@ -30,6 +30,7 @@ class RolloutSpec:
 
     engine: str = "native"
     tp: int = 1
+    ep: int = 1  # generation expert parallelism (e_g)
     reshard: str = "hybrid"
     bucket_mb: float = 32.0  # most MiB one reshard collective outputs
     max_model_len: int = 512
@@ -72,7 +73,8 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         self.rollout_spec = RolloutSpec(**{**rollout, "stop_token_ids": tuple(rollout.get("stop_token_ids", ()))})
         self.model.routing_mode = None if self.rollout_spec.routing == "off" else self.rollout_spec.routing
         self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout,
-                                   GenerationLayout(tp=self.rollout_spec.tp), strategy=self.rollout_spec.reshard,
+                                   GenerationLayout(tp=self.rollout_spec.tp, ep=self.rollout_spec.ep),
+                                   strategy=self.rollout_spec.reshard,
                                    bucket_mb=self.rollout_spec.bucket_mb)
         self.engine = self._build_engine()
         self.engine.release()  # KV cache only while generating
@@ -139,6 +141,9 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         replica, replicas = self.hybrid.gen_dp_rank, self.hybrid.gen_dp_size
         share = prompts.chunk(replicas)[replica]
         if not len(share):
+            if self.rollout_spec.ep > 1:  # the expert-parallel peers decode in lockstep: keep their pace
+                for setting in settings:
+                    self.engine.generate_rows([], self._sampling_params(dict(setting), replica))
             return None
         outs = [self._generate(share, dict(setting), replica) for setting in settings]
         if not self.hybrid.is_gen_collect_rank:
@@ -158,13 +163,15 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         self._generating = False
         return time.perf_counter() - start
 
-    def _generate(self, share: Batch, sampling: dict, replica: int) -> Batch:
+    def _sampling_params(self, sampling: dict, replica: int):
         from hybridrl.rollout import SamplingParams
 
         stops = tuple(sampling.pop("stop_token_ids", ()) or ()) or self.rollout_spec.stop_token_ids
         seed = sampling.pop("seed", None)
-        params = SamplingParams(**sampling, stop_token_ids=stops, seed=None if seed is None else int(seed) + replica)
-        return self.engine.generate(share, params)
+        return SamplingParams(**sampling, stop_token_ids=stops, seed=None if seed is None else int(seed) + replica)
+
+    def _generate(self, share: Batch, sampling: dict, replica: int) -> Batch:
+        return self.engine.generate(share, self._sampling_params(sampling, replica))
 
     def _push_weights(self, gen_model) -> None:
         if self.rollout_spec.engine == "native":

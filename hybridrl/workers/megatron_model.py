@@ -167,15 +167,26 @@ class MegatronModel:
     # ---- running micro-batches -----------------------------------------------------------------------
     def _micro_batches(self, packed: PackedSequences, extra: dict[str, torch.Tensor]) -> tuple[list[dict], list[int]]:
         """Micro-batches of this rank's sequences (workers/sequences.py): by token budget when the spec has
-        one, else micro_batch_size rows. Pipeline stages need one activation shape: uniform row counts."""
+        one, else micro_batch_size rows. Pipeline stages need one activation shape: uniform row counts. With
+        expert parallelism the data-parallel replicas whose MoE layers exchange tokens agree on the count."""
         from megatron.core import parallel_state
 
         from hybridrl.models.builder import shares_rows
         from hybridrl.parallel.distributed import device
 
-        return micro_batches(packed, extra, micro_batch_size=self.spec.micro_batch_size,
-                             max_tokens=self.spec.max_tokens_per_micro_batch, share_rows=shares_rows(),
-                             uniform=parallel_state.get_pipeline_model_parallel_world_size() > 1, device=device())
+        options = dict(micro_batch_size=self.spec.micro_batch_size, max_tokens=self.spec.max_tokens_per_micro_batch,
+                       share_rows=shares_rows(), uniform=parallel_state.get_pipeline_model_parallel_world_size() > 1,
+                       device=device())
+        batches, order = micro_batches(packed, extra, **options)
+        group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False) \
+            if self.inner.config.num_moe_experts else None
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return batches, order
+        count = torch.tensor([len(batches)], dtype=torch.long, device=device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+        if int(count) == len(batches):
+            return batches, order
+        return micro_batches(packed, extra, count=int(count), **options)
 
     def _packed(self, data: Batch) -> PackedSequences:
         return rollout_rows(data, self.tp if self.spec.sequence_parallel else 1,

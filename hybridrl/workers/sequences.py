@@ -81,15 +81,18 @@ def _first_fit_rows(lengths: list[int], width: int, share_rows: bool) -> list[li
 
 def micro_batches(packed: PackedSequences, extra: dict[str, torch.Tensor], *, micro_batch_size: int,
                   max_tokens: int | None = None, share_rows: bool = True, uniform: bool = False,
-                  device: torch.device | str = "cpu") -> tuple[list[dict], list[int]]:
+                  device: torch.device | str = "cpu", count: int | None = None) -> tuple[list[dict], list[int]]:
     """Cut packed sequences into micro-batches; returns (micro-batches, sequence order).
 
     The sequence order lists the sequence indices in the order the micro-batches hold them (concatenate
     per-sequence results, then put them back with `restore_order`). uniform=True (pipeline parallelism)
     gives every micro-batch the same number of rows (empty rows fill the last one; they hold no sequence).
     Rows mode: max_tokens None, `micro_batch_size` sequences per micro-batch.
+    count: exactly this many micro-batches (at least the natural number, at most the sequences): the rows are
+    spread over more, smaller micro-batches (one sequence per row if need be). Expert-parallel replicas must
+    run the same number of forwards, their MoE layers exchanging tokens.
     """
-    count, width = packed.batch_size, packed.input_ids.shape[1]
+    wanted, (count, width) = count, (packed.batch_size, packed.input_ids.shape[1])
     lengths = packed.lengths.tolist()
     if max_tokens is None:
         rows = [[i] for i in range(count)]
@@ -101,6 +104,14 @@ def micro_batches(packed: PackedSequences, extra: dict[str, torch.Tensor], *, mi
         rows = _first_fit_rows(lengths, width, share_rows)
         rows_per_mb = max_tokens // width
     groups = [rows[i:i + rows_per_mb] for i in range(0, len(rows), rows_per_mb)]
+    if wanted is not None and wanted != len(groups):
+        if not len(groups) <= wanted <= count:
+            raise ValueError(f"{wanted} micro-batches asked for {count} sequences that need {len(groups)}")
+        if len(rows) < wanted:  # unpack the shared rows: one sequence each
+            rows = [[i] for members in rows for i in members]
+        # contiguous groups, sizes differing by at most one (each within rows_per_mb: fewer than before)
+        bounds = [len(rows) * k // wanted for k in range(wanted + 1)]
+        groups = [rows[bounds[k]:bounds[k + 1]] for k in range(wanted)]
     out, order = [], []
     for group in groups:
         num_rows = rows_per_mb if uniform else len(group)
