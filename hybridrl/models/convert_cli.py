@@ -159,7 +159,7 @@ def convert(job: ConvertJob) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         job = plan(args.source_format, args.target_format, args.src, args.dst, args.tp, args.pp, args.dtype, args.ep,
-                   args.expert_tp)
+                   getattr(args, "expert_tp", None))
     except (ConvertError, CheckpointError, UnsupportedModelError, LayoutError) as exc:
         print(f"hybridrl convert: error: {exc}", file=sys.stderr)
         return 2
