@@ -595,6 +595,45 @@ def test_expert_parallel_replicas_run_the_same_number_of_micro_batches(ray_two_d
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known bug (issue 15): at EP=2 with a different batch on each expert-parallel "
+                   "rank the experts' update differs from the reference (attention and routers match; at EP=1 the "
+                   "same test passes); suspect the all-to-all backward's split sizes, which tests with the same batch "
+                   "on every rank cannot see")
+def test_expert_parallel_actor_update_equals_pytorch_reference(ray_two_devices, tmp_path):
+    """One actor update of the tiny Qwen3-MoE at EP=2 (each rank 2 of the 4 experts; token-budget micro-batches,
+    whose counts the two replicas agree on) with plain SGD, lr 1, router losses off: every weight moves by exactly
+    the gradient transformers computes for the same token-mean policy-gradient loss on the same sequences (the
+    dense actor's check in tests/test_short_api.py), experts included."""
+    import hybridrl
+    from hybridrl.models.tiny import resolve_model_path
+    from test_short_api import PROMPTS, _hf_policy_gradient
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path("tiny:qwen3_moe")
+    pool = hybridrl.ResourcePool(devices=2)
+    try:
+        actor = hybridrl.Actor(path, parallel={"tp": 1, "pp": 1, "ep": 2}, rollout={"tp": 1, "max_new_tokens": 8},
+                               resource_pool=pool, optim={"optimizer": "sgd", "lr": 1.0, "clip_grad": 1e9,
+                                                          "use_distributed_optimizer": False},
+                               max_tokens_per_micro_batch=48, moe={"aux_loss_coef": 0.0, "z_loss_coef": 0.0})
+        assert actor.layout.ep == 2
+        out = actor.generate_sequences(PROMPTS, seed=3)
+        advantages = torch.randn(len(out), generator=torch.Generator().manual_seed(0))
+        metrics = actor.update(actions=out, advantages=advantages)
+        actor.save_hf(str(tmp_path / "trained"))
+    finally:
+        pool.shutdown()
+    assert metrics["update_ok"] == 1.0
+    trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    reference = _hf_policy_gradient(path, out.sequences, advantages)
+    assert any(".experts." in name for name in reference)
+    for name, grad in reference.items():
+        step = initial[name] - trained[name]
+        assert (step - grad).abs().max() <= 1e-4 * max(1.0, grad.abs().max().item()), name
+
+
+@pytest.mark.slow
 def test_routing_replay_in_the_trainer(ray_two_devices):
     """grpo_moe_tiny with rollout.routing_replay=true: the rollout's experts travel with the sequences to the
     actor's old-log-prob and update forwards; moe/routing_mismatch is logged (the colocated rollout routes as
