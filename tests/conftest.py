@@ -25,6 +25,7 @@ def dist_pool():
             pools[world_size] = DistPool(world_size)
         return pools[world_size]
 
+    get.pools = pools  # the pools started so far (a module may close one between tests to start afresh)
     yield get
     for pool in pools.values():
         pool.close()

@@ -44,6 +44,15 @@ def moe_models(tmp_path_factory):
     }
 
 
+@pytest.fixture(autouse=True)
+def _fresh_pool_after_each_test(dist_pool):
+    """Every HybridEngine a test builds adds gloo process groups (threads in each rank) that live as long as the
+    process: close the pool after each test, the next one starts it afresh."""
+    yield
+    if WORLD in dist_pool.pools:
+        dist_pool.pools[WORLD].close()
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
