@@ -139,6 +139,8 @@ def test_config_features_megatron_would_get_wrong():
     biased.attention_bias = True
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         transformer_config_from_hf(biased)
+    with pytest.raises(UnsupportedModelError, match=r"expert parallelism \(ep=2, expert_tp=None\) for a model without"):
+        transformer_config_from_hf(tiny_hf_config("llama"), ep=2)
 
 
 def test_transformer_config_fields():

@@ -604,15 +604,17 @@ def test_expert_parallel_replicas_run_the_same_number_of_micro_batches(ray_two_d
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known bug (issue 15): at EP=2 with a different batch on each expert-parallel "
-                   "rank the experts' update differs from the reference (attention and routers match; at EP=1 the "
-                   "same test passes); suspect the all-to-all backward's split sizes, which tests with the same batch "
-                   "on every rank cannot see")
-def test_expert_parallel_actor_update_equals_pytorch_reference(ray_two_devices, tmp_path):
-    """One actor update of the tiny Qwen3-MoE at EP=2 (each rank 2 of the 4 experts; token-budget micro-batches,
-    whose counts the two replicas agree on) with plain SGD, lr 1, router losses off: every weight moves by exactly
-    the gradient transformers computes for the same token-mean policy-gradient loss on the same sequences (the
-    dense actor's check in tests/test_short_api.py), experts included."""
+@pytest.mark.parametrize("parallel", [{"tp": 1, "ep": 2},
+                                      {"tp": 2, "ep": 2, "expert_tp": 1, "sequence_parallel": True}],
+                         ids=["ep2", "tp2-etp1-ep2"])
+def test_expert_parallel_actor_update_equals_pytorch_reference(ray_two_devices, tmp_path, parallel):
+    """One actor update of the tiny Qwen3-MoE at EP=2 (each rank 2 of the 4 experts: the DP ranks at TP=1, the TP
+    ranks at TP=2 with whole experts; token-budget micro-batches, whose counts the replicas agree on) with plain
+    SGD, lr 1, router losses off: every weight moves by exactly the gradient transformers computes for the same
+    token-mean policy-gradient loss on the same sequences (the dense actor's check in tests/test_short_api.py),
+    experts included. The ranks route different tokens: with the experts' weights not marked expert-parallel in
+    Megatron's config, DDP summed the gradients of the two ranks' different experts (e0 + e2, e1 + e3); tests
+    that give every rank the same batch could not see it."""
     import hybridrl
     from hybridrl.models.tiny import resolve_model_path
     from test_short_api import PROMPTS, _hf_policy_gradient
@@ -621,7 +623,7 @@ def test_expert_parallel_actor_update_equals_pytorch_reference(ray_two_devices, 
     path = resolve_model_path("tiny:qwen3_moe")
     pool = hybridrl.ResourcePool(devices=2)
     try:
-        actor = hybridrl.Actor(path, parallel={"tp": 1, "pp": 1, "ep": 2}, rollout={"tp": 1, "max_new_tokens": 8},
+        actor = hybridrl.Actor(path, parallel=parallel, rollout={"tp": 1, "max_new_tokens": 8},
                                resource_pool=pool, optim={"optimizer": "sgd", "lr": 1.0, "clip_grad": 1e9,
                                                           "use_distributed_optimizer": False},
                                max_tokens_per_micro_batch=48, moe={"aux_loss_coef": 0.0, "z_loss_coef": 0.0})

@@ -159,6 +159,8 @@ def test_expert_tp_is_checked():
         ParallelLayout(tp=2, dp=1, ep=2)
     with pytest.raises(LayoutError, match=r"ep=3 must divide tp/expert_tp\*dp = 2/1\*1 = 2"):
         ParallelLayout(tp=2, dp=1, ep=3, etp=1)
+    with pytest.raises(LayoutError, match=r"expert_tp=1 below tp=2 needs ep > 1: .*set ep in \[2\]"):
+        ParallelLayout(tp=2, dp=1, etp=1)
     with pytest.raises(LayoutError, match="expert_tp must be a positive integer"):
         ParallelLayout(tp=2, etp=0)
     assert ParallelLayout(tp=2, dp=1, ep=2, etp=1).expert_tp == 1

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from hybridrl.models.config import GPTArgs, gpt_args_from_hf, transformer_config_from_hf
-from hybridrl.models.families import expert_number, family_for, renumber_expert
+from hybridrl.models.families import ModelDims, expert_number, family_for, renumber_expert
 from hybridrl.parallel.distributed import use_cuda
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,16 @@ def _tp_pp_sizes(pg_collection: Any) -> tuple[int, int, Any]:
             parallel_state.get_tensor_model_parallel_group())
 
 
+def _expert_sizes(pg_collection: Any) -> tuple[int, int | None]:
+    """(ep, expert_tp) the MoE layers run at (a dense model's are ignored)."""
+    from megatron.core import parallel_state
+
+    if pg_collection is not None:
+        return pg_collection.ep.size(), pg_collection.expt_tp.size()
+    return (parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size())
+
+
 def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | None = None,
                     post_process: bool | None = None, pg_collection: Any = None,
                     dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
@@ -116,8 +126,10 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     pre_process = pp_rank == 0 if pre_process is None else pre_process
     post_process = pp_rank == pp - 1 if post_process is None else post_process
     args: GPTArgs = gpt_args_from_hf(hf_config, tp, padded_vocab_size)
+    ep, expert_tp = _expert_sizes(pg_collection) if ModelDims.from_hf(hf_config).moe is not None else (1, None)
     config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
-                                        dtype=dtype, on_gpu=use_cuda(), **config_overrides)
+                                        dtype=dtype, on_gpu=use_cuda(), ep=ep, expert_tp=expert_tp,
+                                        **config_overrides)
     tie = args.tie_embeddings and head == "lm"
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(

@@ -111,8 +111,12 @@ def gpt_args_from_hf(hf_config: Any, tp: int, padded_vocab_size: int | None = No
 
 
 def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                               dtype: torch.dtype = torch.float32, on_gpu: bool = False, **overrides: Any):
-    """The Megatron TransformerConfig of a Llama/Qwen2 HF config (fusions off and CPU init on CPU)."""
+                               dtype: torch.dtype = torch.float32, on_gpu: bool = False, ep: int = 1,
+                               expert_tp: int | None = None, **overrides: Any):
+    """The Megatron TransformerConfig of a Llama/Qwen2 HF config (fusions off and CPU init on CPU). For a
+    mixture-of-experts model `ep` and `expert_tp` must be the sizes the model runs at: Megatron's expert layers
+    read them from the config to mark their weights expert-parallel (`param.allreduce=False`), which DDP and the
+    optimizer use to reduce their gradients over the expert-data-parallel group instead of the whole DP group."""
     from megatron.core.transformer import TransformerConfig
 
     check_supported(hf_config)
@@ -139,7 +143,9 @@ def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, sequ
         qk_layernorm=family.qk_norm,
     )
     if d.moe is not None:
-        kwargs.update(_moe_kwargs(d.moe))
+        kwargs.update(_moe_kwargs(d.moe), expert_model_parallel_size=ep, expert_tensor_parallel_size=expert_tp or tp)
+    elif ep != 1 or expert_tp not in (None, tp):
+        raise UnsupportedModelError(f"expert parallelism (ep={ep}, expert_tp={expert_tp}) for a model without experts")
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

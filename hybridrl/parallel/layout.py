@@ -59,6 +59,11 @@ class ParallelLayout:
         if self.tp % self.expert_tp:
             raise LayoutError(f"expert_tp={self.expert_tp} must divide tp={self.tp} (an expert's TP shard is made of "
                               f"whole dense TP shards); choose expert_tp in {divisors(self.tp)}")
+        if self.ep == 1 and self.expert_tp < self.tp:
+            raise LayoutError(f"expert_tp={self.expert_tp} below tp={self.tp} needs ep > 1: Megatron-Core reduces the "
+                              f"experts' gradients over their expert-data-parallel group (which then spans TP ranks) "
+                              f"only under expert parallelism, so each TP rank would miss the others' tokens; set "
+                              f"ep in {divisors(self.tp // self.expert_tp * self.dp)[1:]} or leave expert_tp unset")
         if self.ep > 1 and self.expert_tp == self.tp and self.dp % self.ep:
             raise LayoutError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel ranks are data-parallel "
                               f"replicas of the rest of the model; choose ep in {divisors(self.dp)} (or set "
