@@ -642,6 +642,9 @@ def test_expert_parallel_actor_update_equals_pytorch_reference(ray_two_devices, 
     for name, grad in reference.items():
         step = initial[name] - trained[name]
         assert (step - grad).abs().max() <= 1e-4 * max(1.0, grad.abs().max().item()), name
+    # the norm that clipping uses covers each expert once (the expert optimizer's share summed over EP ranks)
+    norm = math.sqrt(sum(float(grad.double().square().sum()) for grad in reference.values()))
+    assert math.isclose(metrics["grad_norm"], norm, rel_tol=1e-5), (metrics["grad_norm"], norm)
 
 
 @pytest.mark.slow
