@@ -33,7 +33,7 @@ class ParallelConfig:
     dp: Optional[int] = None  # None: fill the role's devices (devices // (tp * pp))
     sequence_parallel: bool = False
     ep: int = 1  # expert parallel (mixture-of-experts models): DP replicas that split each MoE layer's experts
-    expert_tp: Optional[int] = None  # the experts' own TP size, dividing tp (None: tp); below tp, ep spans TP ranks
+    expert_tp: Optional[int] = None  # the experts' own TP size, dividing tp or a multiple of it (None: tp; else ep > 1)
 
 
 @dataclass

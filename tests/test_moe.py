@@ -5,7 +5,8 @@ One long-lived 4-rank pool; references from transformers in a clean subprocess (
 named back to the checkpoint's per-expert tensors). Checks at TP=1/EP=1, TP=1/EP=2, TP=2/EP=2 and PP=2/EP=2:
 logits (fp32, <= 1e-4), loss, every parameter's gradient under its HF name (<= 1e-5), and the router's top-k
 choices against transformers' own router on the same hidden states. Expert TP below TP (expert_tp=1 at TP=2,
-with EP=2 and EP=4: the expert-parallel groups then span TP ranks) is checked the same way.
+with EP=2 and EP=4: the expert-parallel groups then span TP ranks) and above it (expert_tp=2 at TP=1, EP=2: an
+expert-TP group spans DP replicas) are checked the same way.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ WORLD = 4
 LAYOUTS = [ParallelLayout(tp=1, dp=4), ParallelLayout(tp=1, dp=4, ep=2),
            ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), ParallelLayout(tp=1, pp=2, dp=2, ep=2),
            ParallelLayout(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True),
-           ParallelLayout(tp=2, dp=2, ep=4, etp=1, sequence_parallel=True)]
+           ParallelLayout(tp=2, dp=2, ep=4, etp=1, sequence_parallel=True), ParallelLayout(tp=1, dp=4, ep=2, etp=2)]
 BATCH, SEQ, VOCAB = 2, 16, 128
 ATOL, GRAD_ATOL = 1e-4, 1e-5
 
@@ -205,6 +206,8 @@ def test_expert_parallel_layout_is_checked_against_the_model():
         ParallelLayout(dp=2, ep=2).check_model(4, 2, 2, num_experts=0)
     with pytest.raises(LayoutError, match=r"choose ep in \[1, 2, 4\]"):
         ParallelLayout(dp=3, ep=3).check_model(4, 2, 2, num_experts=4)
+    with pytest.raises(LayoutError, match=r"intermediate size 6 is not divisible by max\(tp, expert_tp\) = 4"):
+        ParallelLayout(tp=1, dp=8, ep=2, etp=4).check_model(4, 2, 2, num_experts=4, expert_ffn_hidden=6)
 
 
 # ---- conversion ------------------------------------------------------------------------------------------
@@ -253,7 +256,8 @@ def test_to_hf_inverts_from_hf_for_every_moe_parameter(name):
 @pytest.mark.slow
 def test_convert_with_expert_parallelism_round_trips_bit_exact(moe_models, tmp_path, capsys):
     """HF -> Megatron at TP=2 x EP=2 (4 processes, 2 experts each) -> HF at PP=2 x EP=2: every tensor equal. The same
-    with expert TP 1 on either side (2 processes at TP=2 x EP=2, each rank one whole block of experts; 4 at EP=4)."""
+    with expert TP 1 on either side (2 processes at TP=2 x EP=2, each rank one whole block of experts; 4 at EP=4),
+    and from expert TP 2 above TP=1 (4 processes: each expert split over two DP replicas)."""
     from hybridrl.cli import main as cli_main
     from safetensors.torch import load_file
 
@@ -261,7 +265,8 @@ def test_convert_with_expert_parallelism_round_trips_bit_exact(moe_models, tmp_p
     original = load_file(str(source / "model.safetensors"))
     trips = ((["--tp", "2", "--ep", "2"], ["--pp", "2", "--ep", "2"]),
              (["--tp", "2", "--ep", "2", "--expert-tp", "1"], ["--tp", "2", "--ep", "4", "--expert-tp", "1"]),
-             (["--tp", "2", "--ep", "4", "--expert-tp", "1"], ["--tp", "2", "--ep", "2"]))
+             (["--tp", "2", "--ep", "4", "--expert-tp", "1"], ["--tp", "2", "--ep", "2"]),
+             (["--ep", "2", "--expert-tp", "2"], ["--tp", "2", "--ep", "2", "--expert-tp", "1"]))
     for i, (to_mcore, to_hf) in enumerate(trips):
         mcore, back = tmp_path / f"mcore{i}", tmp_path / f"back{i}"
         assert cli_main(["convert", "--from", "hf", "--to", "mcore", *to_mcore, str(source), str(mcore)]) == 0
@@ -324,7 +329,9 @@ def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, m
     buffer and the memory held while generating equal the plan's accounting of that rank. Expert TP 1 at TP=2
     (EP=2 and EP=4, the expert-parallel groups spanning TP ranks): the experts are regrouped into the dense TP
     layout by point-to-point messages (one per other expert block and bucket), with the same checks; at TP=4 with
-    expert TP 2 (4 kv heads) half the ranks hold no piece of even their own block and receive every block."""
+    expert TP 2 (4 kv heads) half the ranks hold no piece of even their own block and receive every block. Expert
+    TP 2 at TP=1 (an expert split over two DP replicas): each rank's dense shard of an expert is joined from two
+    ranks' halves (one message per piece it does not hold and bucket)."""
     from hybridrl.hybrid_engine.accounting import account
     from hybridrl.hybrid_engine.model_shapes import model_shapes
     from hybridrl.hybrid_engine.plan import HybridEnginePlan
@@ -337,12 +344,14 @@ def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, m
     pool = dist_pool(WORLD)
     regrouped = [ParallelLayout(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True),
                  ParallelLayout(tp=2, dp=2, ep=4, etp=1, sequence_parallel=True),
-                 ParallelLayout(tp=4, dp=1, ep=2, etp=2, sequence_parallel=True)]
+                 ParallelLayout(tp=4, dp=1, ep=2, etp=2, sequence_parallel=True),
+                 ParallelLayout(tp=1, dp=4, ep=2, etp=2)]
     for layout, bucket_mb, gen_tp in ((ParallelLayout(tp=1, dp=4, ep=2), 32.0, 1),
                                       (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 0.02, 1),
                                       (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), 32.0, 2),
                                       (regrouped[0], 32.0, 1), (regrouped[0], 0.02, 2), (regrouped[1], 0.02, 1),
-                                      (regrouped[1], 32.0, 2), (regrouped[2], 32.0, 1), (regrouped[2], 0.02, 2)):
+                                      (regrouped[1], 32.0, 2), (regrouped[2], 32.0, 1), (regrouped[2], 0.02, 2),
+                                      (regrouped[3], 0.02, 1), (regrouped[3], 32.0, 1)):
         model_dir = wide if layout.tp == 4 else str(moe_models["mixtral"])
         ref = refs[model_dir]
         plan = HybridEnginePlan(layout, GenerationLayout(tp=gen_tp), model_shapes(model_dir), dtype_bytes=4)
@@ -353,10 +362,10 @@ def test_hybrid_engine_gathers_the_experts_of_expert_parallel_ranks(dist_pool, m
             assert (out["buckets"] == 1) == (bucket_mb == 32.0), (where, out["buckets"])
             assert (out["logits"] - ref.logits).abs().max().item() <= ATOL, where
             assert out["received"] == first[rank][0] > 0, where
-            if layout in regrouped:  # every other block's piece: one message per bucket
-                ratio = layout.tp // layout.expert_tp
-                blocks = layout.ep - (layout.coords(rank).tp // ratio == layout.expert_coords(rank).etp)
-                assert out["expert_messages"] == blocks * out["buckets"], where
+            if layout in regrouped:  # every piece it does not hold: one message per bucket
+                shards = layout.expert_shards_of_tp_shard(layout.coords(rank).tp)
+                pieces = layout.ep * len(shards) - (layout.expert_coords(rank).etp in shards)
+                assert out["expert_messages"] == pieces * out["buckets"], where
             else:
                 assert out["received"] == (out["ep"] - 1) * out["local_expert_bytes"], where
             assert out["restored"] and out["freed"], where
@@ -614,20 +623,25 @@ def test_expert_parallel_actor_update_equals_pytorch_reference(ray_two_devices, 
     token-mean policy-gradient loss on the same sequences (the dense actor's check in tests/test_short_api.py),
     experts included. The ranks route different tokens: with the experts' weights not marked expert-parallel in
     Megatron's config, DDP summed the gradients of the two ranks' different experts (e0 + e2, e1 + e3); tests
-    that give every rank the same batch could not see it."""
+    that give every rank the same batch could not see it. (Expert TP above TP: tests/test_moe_expert_tp.py.)"""
+    check_expert_parallel_update(parallel, 2, tmp_path)
+
+
+def check_expert_parallel_update(parallel: dict, devices: int, tmp_path: Path) -> None:
+    """The check above at `parallel` on `devices` Ray devices (the caller's module holds the Ray cluster)."""
     import hybridrl
     from hybridrl.models.tiny import resolve_model_path
     from test_short_api import PROMPTS, _hf_policy_gradient
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path("tiny:qwen3_moe")
-    pool = hybridrl.ResourcePool(devices=2)
+    pool = hybridrl.ResourcePool(devices=devices)
     try:
         actor = hybridrl.Actor(path, parallel=parallel, rollout={"tp": 1, "max_new_tokens": 8},
                                resource_pool=pool, optim={"optimizer": "sgd", "lr": 1.0, "clip_grad": 1e9,
                                                           "use_distributed_optimizer": False},
                                max_tokens_per_micro_batch=48, moe={"aux_loss_coef": 0.0, "z_loss_coef": 0.0})
-        assert actor.layout.ep == 2
+        assert actor.layout.ep == parallel["ep"]
         out = actor.generate_sequences(PROMPTS, seed=3)
         advantages = torch.randn(len(out), generator=torch.Generator().manual_seed(0))
         metrics = actor.update(actions=out, advantages=advantages)
@@ -635,6 +649,7 @@ def test_expert_parallel_actor_update_equals_pytorch_reference(ray_two_devices, 
     finally:
         pool.shutdown()
     assert metrics["update_ok"] == 1.0
+    assert metrics["mismatch/log_prob_diff"] < 1e-5  # the generation model (experts regrouped) samples as trained
     trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype=torch.float32).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     reference = _hf_policy_gradient(path, out.sequences, advantages)

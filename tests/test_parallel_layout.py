@@ -140,11 +140,12 @@ def megatron_expert_groups(layout: ParallelLayout) -> dict:
 
 @pytest.mark.parametrize("layout", [ParallelLayout(tp=1, dp=4, ep=2), ParallelLayout(tp=2, dp=2, ep=2),
                                     ParallelLayout(tp=2, dp=2, ep=2, etp=1), ParallelLayout(tp=2, dp=2, ep=4, etp=1),
-                                    ParallelLayout(tp=4, dp=1, ep=2, etp=2), ParallelLayout(tp=2, pp=2, ep=2, etp=1)],
+                                    ParallelLayout(tp=4, dp=1, ep=2, etp=2), ParallelLayout(tp=2, pp=2, ep=2, etp=1),
+                                    ParallelLayout(tp=1, dp=4, ep=2, etp=2)],
                          ids=lambda layout: layout.describe())
 def test_expert_groups_equal_megatron_parallel_state(dist_pool, layout):
-    """Expert-parallel and expert-TP groups, with expert TP equal to TP and below it (experts spread over TP
-    ranks, ep up to tp/etp*dp)."""
+    """Expert-parallel and expert-TP groups, with expert TP equal to TP, below it (experts spread over TP
+    ranks, ep up to tp/etp*dp) and above it (an expert-TP group spans DP replicas)."""
     for got in dist_pool(4).run(megatron_expert_groups, layout):
         rank = got["rank"]
         assert got["ep"] == layout.group_of(rank, layout.expert_parallel_groups()), (layout, rank)
@@ -153,15 +154,25 @@ def test_expert_groups_equal_megatron_parallel_state(dist_pool, layout):
 
 
 def test_expert_tp_is_checked():
-    with pytest.raises(LayoutError, match=r"expert_tp=3 must divide tp=2 .*choose expert_tp in \[1, 2\]"):
+    with pytest.raises(LayoutError, match=r"expert_tp=3 must divide tp=2 or be a multiple of it .*choose expert_tp "
+                                          r"in \[1, 2\] or a multiple of 2"):
         ParallelLayout(tp=2, dp=2, etp=3)
+    with pytest.raises(LayoutError, match=r"expert_tp=4 must divide tp\*dp = 2\*1 = 2 .*choose expert_tp in \[1, 2\]"):
+        ParallelLayout(tp=2, dp=1, ep=2, etp=4)
     with pytest.raises(LayoutError, match=r"ep=2 must divide dp=1.*set expert_tp below tp"):
         ParallelLayout(tp=2, dp=1, ep=2)
-    with pytest.raises(LayoutError, match=r"ep=3 must divide tp/expert_tp\*dp = 2/1\*1 = 2"):
+    with pytest.raises(LayoutError, match=r"ep=3 must divide tp\*dp/expert_tp = 2\*1/1 = 2"):
         ParallelLayout(tp=2, dp=1, ep=3, etp=1)
-    with pytest.raises(LayoutError, match=r"expert_tp=1 below tp=2 needs ep > 1: .*set ep in \[2\]"):
+    with pytest.raises(LayoutError, match=r"expert_tp=1 other than tp=2 needs ep > 1: .*set ep in \[2\]"):
         ParallelLayout(tp=2, dp=1, etp=1)
+    with pytest.raises(LayoutError, match=r"expert_tp=2 other than tp=1 needs ep > 1: .*set ep in \[2\]"):
+        ParallelLayout(tp=1, dp=4, etp=2)
+    with pytest.raises(LayoutError, match=r"ep=4 must divide tp\*dp/expert_tp = 1\*4/2 = 2"):
+        ParallelLayout(tp=1, dp=4, ep=4, etp=2)
     with pytest.raises(LayoutError, match="expert_tp must be a positive integer"):
         ParallelLayout(tp=2, etp=0)
     assert ParallelLayout(tp=2, dp=1, ep=2, etp=1).expert_tp == 1
     assert ParallelLayout(tp=2).expert_tp == 2
+    wide = ParallelLayout(tp=2, dp=4, ep=2, etp=4)  # an expert-TP group spans two DP replicas
+    assert wide.expert_replicas == 1 and wide.expert_shards_of_tp_shard(1) == [2, 3]
+    assert ParallelLayout(tp=4, dp=1, ep=2, etp=2).expert_shards_of_tp_shard(3) == [1]

@@ -15,7 +15,7 @@ every parameter is TP-partitioned; norms replicated over TP make the hybrid's ge
 once per generation TP rank, so its exact means use M' = P + t_g*R (P partitioned, R replicated bytes).
 Mixture-of-experts (plan.py): hybrid's expert-parallel first stage adds its bytes to recv/sent; Table 2 then
 holds for the dense part D = M - E and the experts E apart, with t p ep and t_g p_g e_g as the experts'
-model-parallel sizes (table2's expert_bytes). With expert_tp < tp the first stage is a regroup (plan.py) and
+model-parallel sizes (table2's expert_bytes). With expert_tp != tp the first stage is a regroup (plan.py) and
 Table 2 holds for the dense part only; the per-rank accounting here is exact either way.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def account(plan: HybridEnginePlan, strategy: str) -> StrategyCost:
             if strategy == "hybrid":
                 # the rank's own training shard (and the experts gathered into its slot) is its slot of the
                 # generation buffer (in place); only replicated tensors it holds but does not own in this group
-                # are held twice (and, with expert_tp < tp, its training experts, which no slot is)
+                # are held twice (and, with expert_tp != tp, its training experts, which no slot is)
                 redundant = plan.training_bytes(rank) + first.get(rank, 0) + copied.get(rank, 0) - payloads[i]
             elif strategy == "hybridflow_v":  # its training shard stays beside the gathered model
                 redundant = plan.training_bytes(rank)

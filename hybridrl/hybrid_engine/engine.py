@@ -11,7 +11,7 @@ When the generation layout equals the training layout (t_g = t, p = p_g = 1, no 
 moves: the training model itself generates. Mixture-of-experts models generate with one of e_g blocks of the
 experts on each rank (every expert when e_g = 1): with expert parallelism in training, the experts of the other
 training blocks in the rank's generation block are all-gathered first, or regrouped into the dense TP layout
-when the experts' TP is below the TP (experts.py).
+when the experts' TP differs from the TP (experts.py).
 Otherwise a generation-layout Megatron model (t_g, p_g; the rollout engines use p_g = 1, a p_g > 1 model is a
 pipeline stage run by the caller) is built on the strided generation groups
 (parallel/generation.py) and its parameters are pointed at the Resharder's generation buffer on each

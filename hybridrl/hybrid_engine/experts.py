@@ -10,14 +10,16 @@ extra memory; the gather itself packs the local experts into buckets (one all-ga
 received per bucket). Bytes: each rank receives (ep / e_g - 1) x its own expert bytes (counted in
 ReshardStats.extra["expert_recv_bytes"] and in recv_payload_bytes).
 
-With an expert TP below the TP (expert_tp < tp, ExpertRegroup) a rank's experts are not a TP shard at all: it
-holds a whole block of experts at its expert-TP shard (each one r = tp / expert_tp dense TP shards wide), and
-the rank that holds the right expert-TP shard of a block may be another TP rank. So every expert is regrouped
-into the dense TP layout first: each rank gets all experts at its own TP shard, each piece sent by the one rank
-of its expert-TP x EP group (same stage, same expert-data-parallel replica) whose expert-TP shard contains it,
-as a point-to-point message straight into place (a piece the rank holds itself is copied). The reshard then
-sees an EP=1 model's TP shard as above. The rank's training experts stay allocated while generating (they are
-not a slot of any generation shard).
+With an expert TP other than the TP (ExpertRegroup) a rank's experts are not a TP shard at all: it holds a
+whole block of experts at its expert-TP shard, which is tp / expert_tp dense TP shards wide below the TP and
+1 / (expert_tp / tp) of one above it, and the ranks that hold the right expert-TP shards of a block may be other
+TP ranks (below) or ranks of other DP replicas (above). So every expert is regrouped into the dense TP layout
+first: each rank gets all experts at its own TP shard, each piece sent by the rank of its expert-TP x EP group
+(same stage, same expert-data-parallel replica) whose expert-TP shard contains it (below; a point-to-point
+message straight into place) or by each of the expert_tp / tp ranks whose shards make it (above; received into
+a scratch and joined, SwiGLU halves in order); a piece the rank holds itself is copied. The reshard then sees an
+EP=1 model's TP shard as above. The rank's training experts stay allocated while generating (they are not a
+slot of any generation shard).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from hybridrl.hybrid_engine.model_shapes import GATED_HALVES
 from hybridrl.hybrid_engine.reshard import ShardedParam
-from hybridrl.models.families import expert_number, renumber_expert, tp_shard
+from hybridrl.models.families import expert_number, renumber_expert, tp_gather, tp_shard
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -114,14 +116,16 @@ class ExpertGather:
 
 
 class ExpertRegroup:
-    """expert_tp < tp: every expert of the stage at this rank's dense TP shard, regrouped from the expert-TP
+    """expert_tp != tp: every expert of the stage at this rank's dense TP shard, regrouped from the expert-TP
     shards of the rank's expert-TP x EP group (see the module docstring). Construction is local (no collective):
     every member derives the same schedule from the layout."""
 
     def __init__(self, params: list[ShardedParam], num_experts: int, layout: ParallelLayout, rank: int,
                  bucket_bytes: int = 32 << 20) -> None:
         self.layout, self.rank = layout, rank
-        self.ratio = layout.tp // layout.expert_tp  # dense TP shards per expert-TP shard
+        # below tp an expert-TP shard is `split` dense TP shards wide; above it a dense TP shard is `join` of them
+        self.split = max(1, layout.tp // layout.expert_tp)
+        self.join = max(1, layout.expert_tp // layout.tp)
         coords, me = layout.coords(rank), layout.expert_coords(rank)
         self.tp_rank, self.me = coords.tp, me
         per_block = num_experts // layout.ep
@@ -133,14 +137,14 @@ class ExpertRegroup:
             self._check_divisible(kind, param)
         grid = {(e.etp, e.ep): r for r in layout.ranks()
                 for e in [layout.expert_coords(r)] if layout.coords(r).pp == coords.pp and e.edp == me.edp}
-        # the holder of block b's expert-TP shard containing dense TP shard c
-        self.holder = lambda block, tp_rank: grid[(tp_rank // self.ratio, block)]
+        self.holder = lambda block, shard: grid[(shard, block)]  # the rank holding block's expert-TP shard
+        self.sources = layout.expert_shards_of_tp_shard(self.tp_rank)  # the shards this rank's pieces come from
         self.peers = sorted({r for r in grid.values() if r != rank})
         self.buckets = self._buckets(bucket_bytes)
         # one flat buffer: bucket by bucket, block by block, kind by kind; the tensors of one block in one bucket
-        # are one contiguous region, so a message lands in place
+        # are one contiguous region, so a message lands in place (join > 1: in a scratch, then assembled)
         sample = local[0].tensor if local else None
-        total = sum(layout.ep * self._chunk_numel(p) for _, p in self.kinds)
+        total = sum(layout.ep * self._dense_numel(p) for _, p in self.kinds)
         self.flat = sample.new_empty(total) if sample is not None else torch.empty(0)
         self.regions: list[list[tuple[int, int, int]]] = []  # per bucket: (block, offset, numel)
         self.remote: list[ShardedParam] = []
@@ -150,32 +154,32 @@ class ExpertRegroup:
             for block in range(layout.ep):
                 start = offset
                 for kind, param in bucket:
-                    numel = self._chunk_numel(param)
                     shape = list(param.tensor.shape)
-                    shape[param.partition_dim] //= self.ratio
+                    shape[param.partition_dim] = shape[param.partition_dim] * self.join // self.split
                     view = self.flat.as_strided(shape, _contiguous_strides(shape), offset)
                     name = renumber_expert(kind, block * per_block + expert_number(kind))
                     self.remote.append(ShardedParam(name, view, param.partition_dim, param.stage, param.regroup))
-                    offset += numel
+                    offset += self._dense_numel(param)
                 regions.append((block, start, offset - start))
             self.regions.append(regions)
         self.allocated_bytes = total * self.flat.element_size()
         self.flat.untyped_storage().resize_(0)  # storage only during a transition (the views stay valid)
         self.collectives = 0
-        self.messages = sum(1 for regions in self.regions for block, _, n in regions
-                            if n and self.holder(block, self.tp_rank) != rank)
+        self.messages = sum(1 for regions in self.regions for block, _, n in regions for shard in self.sources
+                            if n and self.holder(block, shard) != rank)
 
     def _check_divisible(self, kind: str, param: ShardedParam) -> None:
         if param.partition_dim is None:
             raise LayoutError(f"expert weight {kind} has no TP partition dim; experts are split")
         size = param.tensor.shape[param.partition_dim]
-        if size % ((2 if param.regroup == GATED_HALVES else 1) * self.ratio):
+        if size % ((2 if param.regroup == GATED_HALVES else 1) * self.split):
             raise LayoutError(f"{kind}: an expert-TP shard of {size} along dim {param.partition_dim} cannot be cut "
-                              f"into tp/expert_tp = {self.ratio} dense TP shards; choose expert_tp = tp or a tp "
+                              f"into tp/expert_tp = {self.split} dense TP shards; choose expert_tp = tp or a tp "
                               f"that divides the expert's intermediate size")
 
-    def _chunk_numel(self, param: ShardedParam) -> int:
-        return param.tensor.numel() // self.ratio
+    def _dense_numel(self, param: ShardedParam) -> int:
+        """Elements of one expert tensor at a dense TP shard."""
+        return param.tensor.numel() * self.join // self.split
 
     def _buckets(self, bucket_bytes: int) -> list[list[tuple[str, ShardedParam]]]:
         """Kinds in groups whose send scratch (every sub-shard of the local tensors) stays within a bucket."""
@@ -194,35 +198,57 @@ class ExpertRegroup:
         """The rank's dense training shards plus every expert at its TP shard: an EP=1 model's TP shard."""
         return [p for p in params if p.name not in self.local_names] + self.remote
 
-    def _piece(self, param: ShardedParam, sub: int) -> torch.Tensor:
-        return tp_shard(param.name, param.tensor.detach(), param.partition_dim, sub, self.ratio).reshape(-1)
+    def _piece(self, bucket: list[tuple[str, ShardedParam]], tp_rank: int) -> torch.Tensor:
+        """What this rank's shard contributes to dense TP shard `tp_rank`, for every tensor of a bucket, flat:
+        its sub-shard below tp, all of it above."""
+        return torch.cat([tp_shard(p.name, p.tensor.detach(), p.partition_dim, tp_rank % self.split,
+                                   self.split).reshape(-1) for _, p in bucket])
 
     @torch.no_grad()
     def gather(self) -> int:
         """Fill the buffer with every expert at this rank's TP shard; returns the bytes received."""
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
-        block, received = self.me.ep, 0
-        # who takes a sub-shard of this rank's own block: the members whose TP shard lies in its expert-TP shard
+        received = 0
+        # who takes a piece of this rank's expert-TP shard: the members whose dense TP shard overlaps it
         takers = [(peer, self.layout.coords(peer).tp) for peer in self.peers
-                  if self.holder(block, self.layout.coords(peer).tp) == self.rank]
+                  if self.me.etp in self.layout.expert_shards_of_tp_shard(self.layout.coords(peer).tp)]
         for tag, (bucket, regions) in enumerate(zip(self.buckets, self.regions)):
-            works, packed = [], {}
-            for source_block, start, numel in regions:
-                holder = self.holder(source_block, self.tp_rank)
+            works, packed, scratches = [], {}, []
+            for block, start, numel in regions:
                 region = self.flat.narrow(0, start, numel)
-                if holder == self.rank:  # a piece of the rank's own experts: one copy
-                    torch.cat([self._piece(p, self.tp_rank % self.ratio) for _, p in bucket], out=region)
-                else:
-                    works.append(dist.irecv(region, holder, tag=tag))
-                    received += numel * region.element_size()
+                # join > 1: the pieces of `join` expert-TP shards, assembled into the region once all have come
+                target = region if self.join == 1 else region.new_empty(numel)
+                for shard, piece in zip(self.sources, target.chunk(self.join)):
+                    holder = self.holder(block, shard)
+                    if holder == self.rank:  # a piece of the rank's own experts: one copy
+                        piece.copy_(self._piece(bucket, self.tp_rank))
+                    else:
+                        works.append(dist.irecv(piece, holder, tag=tag))
+                        received += piece.numel() * piece.element_size()
+                if self.join > 1:
+                    scratches.append((region, target))
             for peer, peer_tp in takers:
-                sub = peer_tp % self.ratio
+                sub = peer_tp % self.split
                 if sub not in packed:
-                    packed[sub] = torch.cat([self._piece(p, sub) for _, p in bucket])
+                    packed[sub] = self._piece(bucket, peer_tp)
                 works.append(dist.isend(packed[sub], peer, tag=tag))
             for work in works:
                 work.wait()
+            for region, scratch in scratches:
+                self._assemble(bucket, region, scratch.chunk(self.join))
         return received
+
+    def _assemble(self, bucket: list[tuple[str, ShardedParam]], region: torch.Tensor,
+                  pieces: tuple[torch.Tensor, ...]) -> None:
+        """join > 1: each tensor's dense TP shard from its `join` expert-TP shards (the dense shard split join
+        ways is exactly those shards, SwiGLU halves included)."""
+        offset = 0
+        for kind, param in bucket:
+            numel = param.tensor.numel()
+            shards = [piece[offset:offset + numel].view(param.tensor.shape) for piece in pieces]
+            dense = tp_gather(kind, shards, param.partition_dim)
+            region.narrow(0, offset * self.join, numel * self.join).copy_(dense.reshape(-1))
+            offset += numel
 
     def release(self) -> None:
         self.flat.untyped_storage().resize_(0)
@@ -240,7 +266,7 @@ def expert_stage(params: list[ShardedParam], num_experts: int, layout: ParallelL
                  bucket_bytes: int) -> ExpertGather | ExpertRegroup | None:
     """What brings a rank's experts into an EP=e_g model's TP shard before the reshard (collective: every rank
     calls it): an all-gather inside ep / e_g ranks of the expert-parallel group when expert TP equals TP (None
-    when e_g = ep: nothing to gather), a regroup over the expert-TP x EP group below it (e_g = 1)."""
+    when e_g = ep: nothing to gather), a regroup over the expert-TP x EP group otherwise (e_g = 1)."""
     if layout.expert_tp != layout.tp:
         return ExpertRegroup(params, num_experts, layout, rank, bucket_bytes=bucket_bytes)
     from hybridrl.hybrid_engine.reshard import new_group_of

@@ -26,11 +26,12 @@ hybridflow_v gathers every expert inside the expert-parallel group first, then t
 ds_chat (ZeRO-3, which has no expert parallelism) gathers over all ranks, each rank's partition being 1/(t p d)
 of the model (the experts split over the d / ep ranks that replicate them).
 
-With an expert TP below the TP (expert_tp < tp; e_g = 1) the first stage is a regroup instead (experts.py
+With an expert TP other than the TP (expert_tp != tp; e_g = 1) the first stage is a regroup instead (experts.py
 ExpertRegroup): inside each expert-TP x EP group every rank receives every expert block at its dense TP shard
-from the one member whose expert-TP shard contains it (its own block's piece is copied when it holds it). A
-rank's training experts (a block at its expert-TP shard, tp / expert_tp dense shards wide) are not a slot of its
-generation shard, so hybrid holds them beside it: Table 2's zero redundancy holds for the dense part only.
+from the member whose expert-TP shard contains it (below the TP) or from the tp / expert_tp members whose shards
+make it (above); its own block's piece is copied when it holds one. A rank's training experts (a block at its
+expert-TP shard) are not a slot of its generation shard, so hybrid holds them beside it: Table 2's zero
+redundancy holds for the dense part only.
 """
 from __future__ import annotations
 
@@ -139,14 +140,14 @@ class HybridEnginePlan:
 
     @property
     def regroups_experts(self) -> bool:
-        """expert_tp < tp: the experts are regrouped into the dense TP layout before the reshard."""
+        """expert_tp != tp: the experts are regrouped into the dense TP layout before the reshard."""
         return bool(self.shapes.num_experts) and self.train.expert_tp != self.train.tp
 
     def expert_gather_groups(self, strategy: str = "hybrid") -> list[list[int]]:
         """The first stage with expert parallelism: inside each expert-parallel group, the ranks whose expert
         blocks make one generation expert block all-gather them (hybrid: ep / e_g ranks; hybridflow_v: all ep,
         it builds the whole model; ds_chat: none, ZeRO-3 has no expert parallelism). Empty when nothing moves.
-        With expert_tp < tp: the expert-TP x EP groups the regroup runs in."""
+        With expert_tp != tp: the expert-TP x EP groups the regroup runs in."""
         check_strategy(strategy)
         if self.regroups_experts:
             if strategy == "ds_chat":
@@ -170,15 +171,16 @@ class HybridEnginePlan:
                     moved = (len(group) - 1) * self.expert_share(rank, self.train.ep)[0]
                     out[rank] = (moved, moved, 0)
             return out
-        ratio = self.train.tp // self.train.expert_tp
+        join = max(1, self.train.expert_tp // self.train.tp)  # expert-TP shards per dense TP shard
+        shards_of = self.train.expert_shards_of_tp_shard
         for group in self.expert_gather_groups(strategy):
             for rank in group:
                 c, me = self.train.coords(rank), self.train.expert_coords(rank)
-                own = c.tp // ratio == me.etp  # it holds the expert-TP shard its own TP shard lies in
-                block = self.expert_share(rank, self.train.ep)[0]
-                sent = sum(self.expert_share(peer, self.train.ep)[0] for peer in group
-                           if peer != rank and self.train.coords(peer).tp // ratio == me.etp)
-                out[rank] = ((self.train.ep - own) * block, sent, own * block)
+                own = me.etp in shards_of(c.tp)  # it holds a piece of its own dense TP shard
+                piece = self.expert_share(rank, self.train.ep)[0] // join  # of one block, at its dense TP shard
+                sent = sum(self.expert_share(peer, self.train.ep)[0] // join for peer in group
+                           if peer != rank and me.etp in shards_of(self.train.coords(peer).tp))
+                out[rank] = ((self.train.ep * join - own) * piece, sent, own * piece)
         return out
 
     def expert_share(self, rank: int, blocks: int) -> tuple[int, int]:
@@ -214,9 +216,14 @@ class HybridEnginePlan:
         dense = (self.table.partitioned[c.pp][c.tp] + self.table.replicated[c.pp]) * self.dtype_bytes
         if not self.regroups_experts:
             return dense + self.expert_share(rank, self.train.ep)[0]
-        ratio, shard = self.train.tp // self.train.expert_tp, self.train.expert_coords(rank).etp
-        experts = sum(self.table.experts[c.pp][shard * ratio:(shard + 1) * ratio]) // self.train.ep
-        return dense + experts * self.dtype_bytes
+        shard = self.train.expert_coords(rank).etp
+        if self.train.expert_tp < self.train.tp:  # its expert-TP shard spans `ratio` dense TP shards
+            ratio = self.train.tp // self.train.expert_tp
+            experts = sum(self.table.experts[c.pp][shard * ratio:(shard + 1) * ratio])
+        else:  # 1 / join of one dense TP shard
+            join = self.train.expert_tp // self.train.tp
+            experts = self.table.experts[c.pp][shard // join] // join
+        return dense + experts // self.train.ep * self.dtype_bytes
 
     # ---- composition of generation shards -----------------------------------------------------------
     def gen_shard(self, rank: int) -> GenShard:

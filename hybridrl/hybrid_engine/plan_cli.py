@@ -24,9 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-dp", type=int, default=1, help="training data-parallel size")
     parser.add_argument("--train-ep", type=int, default=1,
                         help="training expert-parallel size (mixture-of-experts models; divides --train-dp, or "
-                             "--train-tp / --train-etp x --train-dp)")
+                             "--train-tp x --train-dp / --train-etp)")
     parser.add_argument("--train-etp", type=int, default=None,
-                        help="training expert tensor-parallel size (divides --train-tp; default: --train-tp)")
+                        help="training expert tensor-parallel size (divides --train-tp or is a multiple of it; "
+                             "default: --train-tp)")
     parser.add_argument("--gen-ep", type=int, default=1,
                         help="generation expert-parallel size (divides --train-ep; the rollout engines run 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="parameter dtype")

@@ -51,10 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "written Megatron checkpoint)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models): the "
-                        "conversion runs on tp*pp*ep processes (tp*pp*ep*expert_tp/tp with --expert-tp), each holding "
+                        "conversion runs on tp*pp*dp processes, dp the fewest DP replicas that make whole expert grids "
+                        "(ep*expert_tp/gcd(ep*expert_tp, tp)), each holding "
                         "1/ep of every MoE layer's experts")
     parser.add_argument("--expert-tp", type=int, default=None, help="the experts' tensor-parallel size, dividing "
-                        "--tp (default: --tp); below --tp the expert-parallel ranks include TP ranks")
+                        "--tp or a multiple of it (default: --tp); below --tp the expert-parallel ranks include TP "
+                        "ranks, above it an expert is split over ranks of several DP replicas")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                         help="parameter dtype (auto: the HF config's dtype, else float32)")
     parser.add_argument("src", help="source folder")
@@ -89,10 +91,10 @@ def plan(source_format: str, target_format: str, src: str, dst: str, tp: int = 1
         source_format = "mcore"
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    # expert parallelism splits the expert-TP groups of a stage (tp / expert_tp per DP replica): the fewest
-    # replicas that give ep of them
-    groups_per_replica = tp // expert_tp if expert_tp and tp % expert_tp == 0 else 1
-    layout = ParallelLayout(tp=tp, pp=pp, dp=ep // math.gcd(ep, groups_per_replica), ep=ep, etp=expert_tp)
+    # the expert grid re-splits a stage's tp*dp ranks into ep * expert_tp-sized groups: the fewest DP replicas
+    # whose ranks make a whole number of them
+    grid = (expert_tp or tp) * ep
+    layout = ParallelLayout(tp=tp, pp=pp, dp=grid // math.gcd(grid, tp), ep=ep, etp=expert_tp)
     src_path, dst_path = Path(src), Path(dst)
     if not src_path.is_dir():
         raise CheckpointError(f"source {src} does not exist or is not a folder")
@@ -106,7 +108,7 @@ def plan(source_format: str, target_format: str, src: str, dst: str, tp: int = 1
     check_supported(hf_config)
     dims = ModelDims.from_hf(hf_config)
     layout.check_model(dims.num_heads, dims.num_query_groups, dims.num_layers, dims.vocab_size,
-                       dims.moe.num_experts if dims.moe else 0)
+                       dims.moe.num_experts if dims.moe else 0, dims.moe.ffn_hidden if dims.moe else 0)
     head = "scalar" if head_of(hf_config) == "scalar" else "lm"
     if source_format == "hf":
         check_hf_checkpoint(src_path, hf_config, head)

@@ -95,7 +95,7 @@ def check_generation_layout(train: ParallelLayout, gen: GenerationLayout, *,
     elif num_layers is not None and num_layers % gen.pp:
         problems.append(f"num_layers={num_layers} is not divisible by --gen-pp {gen.pp}")
     if gen.ep > 1 and train.expert_tp != train.tp:
-        problems.append(f"--gen-ep {gen.ep} with --train-etp {train.expert_tp} below --train-tp {train.tp}: the "
+        problems.append(f"--gen-ep {gen.ep} with --train-etp {train.expert_tp} other than --train-tp {train.tp}: the "
                         f"experts are regrouped into the dense TP layout, so generation runs e_g = 1")
     elif train.ep % gen.ep:
         problems.append(f"--gen-ep {gen.ep} does not divide --train-ep {train.ep} (a generation rank's experts "

@@ -6,10 +6,11 @@ so TP ranks are consecutive, DP strides by tp, PP strides by tp*dp. Expert paral
 splits each DP group's ranks into groups of `ep` consecutive DP replicas that hold different experts (the
 attention and dense weights stay replicated over DP); an expert's own TP is the layout's tp.
 
-With an expert TP (`etp`) smaller than tp, Megatron lays the experts out on their own grid: inside a pipeline
+With an expert TP (`etp`) other than tp, Megatron lays the experts out on their own grid: inside a pipeline
 stage the tp*dp ranks, numbered L = tp_rank + tp*dp_rank, are re-split as L = etp_rank + etp*(ep_rank +
-ep*edp_rank) (its expert rank generator, order tp-ep-dp-pp). Expert-parallel groups then span TP ranks, so ep
-may exceed dp (e.g. tp=2, etp=1, ep=2 on two ranks). hybridrl supports etp dividing tp.
+ep*edp_rank) (its expert rank generator, order tp-ep-dp-pp). Below tp, expert-parallel groups span TP ranks,
+so ep may exceed dp (e.g. tp=2, etp=1, ep=2 on two ranks); above it, an expert-TP group spans DP replicas (e.g.
+tp=1, etp=2, ep=2 on four ranks). hybridrl supports etp dividing tp or a multiple of it, with ep > 1.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class ParallelLayout:
     sequence_parallel: bool = False
     vpp: int | None = None  # virtual pipeline chunks per stage (optional)
     ep: int = 1  # expert parallel: DP replicas that split the experts of each MoE layer
-    etp: int | None = None  # expert tensor parallel (None: tp); must divide tp
+    etp: int | None = None  # expert tensor parallel (None: tp); divides tp or is a multiple of it (then ep > 1)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "ep"):
@@ -56,21 +57,26 @@ class ParallelLayout:
             raise LayoutError("sequence_parallel needs tp > 1 (it splits activations over the TP group)")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             raise LayoutError("vpp (virtual pipeline) needs pp > 1 and vpp >= 1")
-        if self.tp % self.expert_tp:
-            raise LayoutError(f"expert_tp={self.expert_tp} must divide tp={self.tp} (an expert's TP shard is made of "
-                              f"whole dense TP shards); choose expert_tp in {divisors(self.tp)}")
-        if self.ep == 1 and self.expert_tp < self.tp:
-            raise LayoutError(f"expert_tp={self.expert_tp} below tp={self.tp} needs ep > 1: Megatron-Core reduces the "
-                              f"experts' gradients over their expert-data-parallel group (which then spans TP ranks) "
-                              f"only under expert parallelism, so each TP rank would miss the others' tokens; set "
-                              f"ep in {divisors(self.tp // self.expert_tp * self.dp)[1:]} or leave expert_tp unset")
+        if self.tp % self.expert_tp and self.expert_tp % self.tp:
+            raise LayoutError(f"expert_tp={self.expert_tp} must divide tp={self.tp} or be a multiple of it (an expert's "
+                              f"TP shard is made of whole dense TP shards, or the other way round); choose expert_tp "
+                              f"in {divisors(self.tp)} or a multiple of {self.tp}")
+        stage = self.tp * self.dp  # ranks of a pipeline stage, re-split into the expert grid
+        if stage % self.expert_tp:
+            raise LayoutError(f"expert_tp={self.expert_tp} must divide tp*dp = {self.tp}*{self.dp} = {stage} (the ranks "
+                              f"of a pipeline stage); choose expert_tp in {divisors(stage)}")
+        if self.ep == 1 and self.expert_tp != self.tp:
+            raise LayoutError(f"expert_tp={self.expert_tp} other than tp={self.tp} needs ep > 1: Megatron-Core reduces "
+                              f"the experts' gradients over their expert-data-parallel group (which then differs from "
+                              f"the DP group) only under expert parallelism; set ep in "
+                              f"{divisors(stage // self.expert_tp)[1:]} or leave expert_tp unset")
         if self.ep > 1 and self.expert_tp == self.tp and self.dp % self.ep:
             raise LayoutError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel ranks are data-parallel "
                               f"replicas of the rest of the model; choose ep in {divisors(self.dp)} (or set "
                               f"expert_tp below tp to spread the experts over TP ranks too)")
-        slots = self.tp // self.expert_tp * self.dp  # expert-TP groups per pipeline stage
+        slots = stage // self.expert_tp  # expert-TP groups per pipeline stage
         if slots % self.ep:
-            raise LayoutError(f"ep={self.ep} must divide tp/expert_tp*dp = {self.tp}/{self.expert_tp}*{self.dp} = "
+            raise LayoutError(f"ep={self.ep} must divide tp*dp/expert_tp = {self.tp}*{self.dp}/{self.expert_tp} = "
                               f"{slots} (the expert-TP groups of a pipeline stage); choose ep in {divisors(slots)}")
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -95,7 +101,7 @@ class ParallelLayout:
             )
 
     def check_model(self, num_attention_heads: int, num_query_groups: int, num_layers: int,
-                    vocab_size: int | None = None, num_experts: int = 0) -> None:
+                    vocab_size: int | None = None, num_experts: int = 0, expert_ffn_hidden: int = 0) -> None:
         """Refuse a model that cannot be split by this layout, naming the option and the fix."""
         if num_attention_heads % self.tp:
             raise LayoutError(f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}; "
@@ -106,6 +112,10 @@ class ParallelLayout:
         if self.ep > 1 and (not num_experts or num_experts % self.ep):
             raise LayoutError(f"ep={self.ep} needs a mixture-of-experts model whose experts it divides (the model "
                               f"has {num_experts}); choose ep in {divisors(num_experts) if num_experts else [1]}")
+        widest = max(self.tp, self.expert_tp)  # an expert's shards: expert-TP ones, and dense TP ones to generate
+        if num_experts and expert_ffn_hidden % widest:
+            raise LayoutError(f"the experts' intermediate size {expert_ffn_hidden} is not divisible by "
+                              f"max(tp, expert_tp) = {widest}; choose tp and expert_tp in {divisors(expert_ffn_hidden)}")
         stages = self.pp * (self.vpp or 1)
         if num_layers % stages:
             raise LayoutError(f"num_layers={num_layers} is not divisible by pp*vpp={stages}; "
@@ -142,6 +152,19 @@ class ParallelLayout:
         """TP x PP group of each DP replica, ordered by model-parallel rank (pp-major, tp-minor)."""
         return [[self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
 
+    @property
+    def expert_replicas(self) -> int:
+        """Expert-data-parallel replicas of each expert-TP shard of each expert block, per pipeline stage."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
+
+    def expert_shards_of_tp_shard(self, tp_rank: int) -> list[int]:
+        """The expert-TP shards an expert's dense TP shard `tp_rank` lies in (expert_tp <= tp: the one holding it)
+        or is made of (expert_tp > tp: expert_tp / tp consecutive ones)."""
+        if self.expert_tp <= self.tp:
+            return [tp_rank // (self.tp // self.expert_tp)]
+        join = self.expert_tp // self.tp
+        return list(range(tp_rank * join, (tp_rank + 1) * join))
+
     def expert_coords(self, rank: int) -> ExpertCoords:
         """Where a rank sits on the expert grid (with etp = tp: expert block dp % ep, replica dp // ep)."""
         local = rank % (self.tp * self.dp)  # its index inside its pipeline stage
@@ -153,13 +176,13 @@ class ParallelLayout:
 
     def expert_parallel_groups(self) -> list[list[int]]:
         """Ranks holding different expert blocks at the same expert TP shard, by expert-parallel rank."""
-        edp = self.tp * self.dp // (self.expert_tp * self.ep)
+        edp = self.expert_replicas
         return [[self._expert_rank(p, t, e, d) for e in range(self.ep)]
                 for p in range(self.pp) for d in range(edp) for t in range(self.expert_tp)]
 
     def expert_tp_groups(self) -> list[list[int]]:
         """Ranks holding the expert TP shards of the same experts, by expert TP rank."""
-        edp = self.tp * self.dp // (self.expert_tp * self.ep)
+        edp = self.expert_replicas
         return [[self._expert_rank(p, t, e, d) for t in range(self.expert_tp)]
                 for p in range(self.pp) for d in range(edp) for e in range(self.ep)]
 

@@ -193,7 +193,8 @@ def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
     moe = ModelDims.from_hf(hf).moe
     try:
         layout.check_model(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-                           hf.num_hidden_layers, num_experts=moe.num_experts if moe else 0)
+                           hf.num_hidden_layers, num_experts=moe.num_experts if moe else 0,
+                           expert_ffn_hidden=moe.ffn_hidden if moe else 0)
     except LayoutError as exc:
         raise ConfigError(f"{role}.parallel with model {path}: {exc}") from None
     _check(not (moe and layout.tp > 1 and not layout.sequence_parallel and role in ("actor", "critic")),
