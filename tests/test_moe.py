@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.envs.bundled import CharsetTurnsEnv
 from hybridrl.models.reference import hf_reference
 from hybridrl.models.tiny import create_tiny_model
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
@@ -688,8 +689,7 @@ def test_generation_expert_parallelism_in_the_trainer(ray_two_devices):
     """grpo_moe_tiny with rollout.ep=2: each generation replica holds 2 of the 4 experts (nothing is gathered:
     e_g = ep), the replicas decode in lockstep, and the first two steps equal the same job's with every expert on
     each replica; the rollout's log-probs equal the trainer's. The plan refuses rollout.ep for a dense model, one
-    that does not divide actor.parallel.ep, a rollout pool of its own and multi-turn episodes, before any worker
-    starts."""
+    that does not divide actor.parallel.ep and a rollout pool of its own, before any worker starts."""
     from hybridrl.config import ConfigError, load_config
     from hybridrl.trainer.plan import plan_run
     from test_trainer_e2e import run_steps
@@ -704,11 +704,37 @@ def test_generation_expert_parallelism_in_the_trainer(ray_two_devices):
             ([], "rollout.ep=2 splits the experts over generation replicas; the actor's model .* has no experts"),
             (["actor.parallel.ep=1"], "rollout.ep=2: .*rollout.ep 2 does not divide actor.parallel.ep 1"),
             (["resources.pools.gen=2", "rollout.pool=gen"],
-             "rollout.ep=2: generation expert parallelism runs in the native engine on the actor's pool"),
-            (["rollout.env=charset_turns"], "rollout.ep=2 with multi-turn episodes")):
+             "rollout.ep=2: generation expert parallelism runs in the native engine on the actor's pool")):
         config = None if not overrides else "grpo_moe_tiny.yaml"
         with pytest.raises(ConfigError, match=needle):
             plan_run(load_config(config, ["rollout.ep=2", *overrides]))
+
+
+class UnevenTurnsEnv(CharsetTurnsEnv):
+    """charset_turns whose episodes last 1, 2 or 3 turns (by the prompt's length): the later turns' generate
+    calls carry few rows, so a generation replica often has none."""
+
+    def reset(self, row):
+        self.turns = 1 + len(str(row.get("prompt", ""))) % 3
+        return super().reset(row)
+
+
+@pytest.mark.slow
+def test_generation_expert_parallelism_with_multi_turn_episodes(ray_two_devices):
+    """grpo_moe_tiny with rollout.ep=2 on multi-turn episodes of uneven length: every turn's generate call reaches
+    both replicas (one without rows decodes a placeholder in lockstep), and the first two steps equal the same
+    job's with every expert on each replica."""
+    from test_trainer_e2e import run_steps
+
+    episodes = ["trainer.steps=2", f"rollout.env={__name__}:UnevenTurnsEnv", "rollout.max_turns=3",
+                "rollout.max_new_tokens=12", "rollout.max_episode_tokens=48"]
+    _, split = run_steps([*episodes, "rollout.ep=2"], "grpo_moe_tiny.yaml")
+    _, whole = run_steps(episodes, "grpo_moe_tiny.yaml")
+    assert 1.2 < split[0]["rollout/turns_mean"] < 2.8, split[0]["rollout/turns_mean"]
+    for a, b in zip(split, whole):
+        assert a["mismatch/log_prob_diff"] < 1e-5
+        for key in ("reward_mean", "response_length_mean", "actor/pg_loss", "rollout/turns_mean"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), key
 
 
 def test_qwen3_30b_a3b_recipe_plans_on_the_real_architecture(tmp_path):

@@ -99,7 +99,8 @@ def _check_routing_record(roll: Any, plan: RunPlan) -> None:
 
 def _check_generation_experts(roll: Any, plan: RunPlan) -> None:
     """rollout.ep > 1: a mixture-of-experts actor whose ep it divides (expert_tp = tp), the native engine on the
-    actor's pool, single turns, the hybrid reshard."""
+    actor's pool, the hybrid reshard. Multi-turn episodes keep the replicas in step by themselves: every turn's
+    generate call reaches every rank (a replica without rows decodes a placeholder in lockstep)."""
     if roll.ep == 1:
         return
     from hybridrl.models import load_hf_config
@@ -119,8 +120,6 @@ def _check_generation_experts(roll: Any, plan: RunPlan) -> None:
            f"rollout.ep={roll.ep}: generation expert parallelism runs in the native engine on the actor's pool "
            f"(rollout.engine resolved to {plan.rollout_engine}, rollout.pool={roll.pool!r}): set "
            f"rollout.engine=native and rollout.pool to the actor's pool, or rollout.ep=1")
-    _check(not roll.env, f"rollout.ep={roll.ep} with multi-turn episodes (rollout.env) is not supported yet: the "
-                         f"replicas' turns would fall out of step; unset one")
     _check(roll.reshard == "hybrid", f"rollout.ep={roll.ep} needs rollout.reshard=hybrid (got {roll.reshard})")
 
 
