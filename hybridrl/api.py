@@ -315,19 +315,23 @@ class Actor(_Role):
 class RolloutReplicas(_Role):
     """Generation replicas on a pool of their own (disaggregated), fed by `actor`'s training ranks shard to
     shard (hybrid_engine/bridge.py). `tp`: the generation TP (dividing the actor's); the pool's devices / tp
-    replicas split the prompts. Call `sync()` after each actor update; `generate_sequences` like the actor's.
+    replicas split the prompts. `ep` (mixture-of-experts actors): generation expert parallelism, each replica
+    holding 1/ep of the experts and decoding in lockstep with the replicas of its expert-parallel group. Call `sync()` after each actor update; `generate_sequences` like the actor's.
     `partial=True`: a generation in progress takes each new sync at once, its rows resuming with the new weights
     (each token's policy version in "policy_versions"); else syncs wait for the generations queued before them."""
 
     def __init__(self, actor: Actor, resource_pool: ResourcePool, tp: int = 1, engine: str = "native",
                  max_batch_size: int = 64, seed: int = 1, call_timeout_s: float | None = 3600.0,
-                 bridge_timeout_s: float = 600.0, partial: bool = False) -> None:
+                 bridge_timeout_s: float = 600.0, partial: bool = False, ep: int = 1) -> None:
         from hybridrl.hybrid_engine.bridge import bridge_plan
         from hybridrl.workers.rollout import RolloutWorker
 
         if partial and engine != "native":
             raise ValueError(f"RolloutReplicas(partial=True) (rollout.partial=true) interrupts the native engine's "
                              f"decoding; engine={engine!r} cannot be: use engine='native' or partial=False")
+        if ep > 1 and (partial or engine != "native"):
+            raise ValueError(f"RolloutReplicas(ep={ep}) (rollout.ep): generation expert parallelism runs in the native "
+                             f"engine without partial rollouts (engine={engine!r}, partial={partial})")
         self.actor = actor
         per_rank = actor.group.bridge_metas()
         self.metas = {rank: info["metas"] for rank, info in enumerate(per_rank)}
@@ -336,10 +340,10 @@ class RolloutReplicas(_Role):
                 "stop_token_ids": actor.engine_spec["stop_token_ids"],
                 "routing": actor.engine_spec.get("routing", "off")}
         model = {"path": actor.model_path, "dtype": actor.dtype}
-        super().__init__(RolloutWorker, "rollout", resource_pool, {"tp": tp},
+        super().__init__(RolloutWorker, "rollout", resource_pool, {"tp": tp, "ep": ep},
                          {"model": model, "rollout": spec, "padded_vocab_size": per_rank[0]["padded_vocab_size"],
                           "partial": partial}, seed, call_timeout_s)
-        self.plan = bridge_plan(actor.layout, tp, self.layout.world_size)
+        self.plan = bridge_plan(actor.layout, tp, self.layout.world_size, gen_ep=ep)
         train_ranks = actor.layout.world_size
         size = train_ranks + self.layout.world_size
         host, port = actor.group.rendezvous_address()

@@ -28,6 +28,26 @@ def test_bridge_plan_sends_each_generation_rank_its_training_shards_once():
         bridge_plan(train, 3, 3)
 
 
+def test_bridge_plan_sends_experts_from_the_ranks_that_hold_them():
+    """Training EP=2 at TP=2 (DP rank b holds expert block b): with every expert on each generation rank (e_g=1)
+    a t_g=1 rank takes dp rank 0's dense shards and experts and dp rank 1's experts; with e_g=2 the generation
+    ranks of expert block 1 take their dense shards from dp rank 0 and their experts from dp rank 1 only."""
+    train = ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True)
+    whole = [t for t in bridge_plan(train, gen_tp=1, rollout_ranks=2) if t.receiver == 1]
+    assert [(train.coords(t.sender).dp, train.coords(t.sender).tp, t.dense, t.experts, t.replicated)
+            for t in whole] == [(0, 0, True, True, True), (1, 0, False, True, False),
+                                (0, 1, True, True, False), (1, 1, False, True, False)]
+    split = bridge_plan(train, gen_tp=1, rollout_ranks=2, gen_ep=2)
+    assert [(train.coords(t.sender).dp, t.dense, t.experts) for t in split if t.receiver == 0] == \
+        [(0, True, True)] * 2
+    assert [(train.coords(t.sender).dp, t.dense, t.experts) for t in split if t.receiver == 1] == \
+        [(0, True, False), (1, False, True)] * 2
+    with pytest.raises(ValueError, match="rollout.ep=3 must divide actor.parallel.ep=2"):
+        bridge_plan(train, 1, 3, gen_ep=3)
+    with pytest.raises(ValueError, match="expert_tp=1 differs from tp=2"):
+        bridge_plan(ParallelLayout(tp=2, dp=1, ep=2, etp=1), 1, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 1, "pp": 2}], ids=["tp2", "pp2"])
 def test_rollout_pool_gets_the_actors_weights_shard_to_shard(ray_four_devices, parallel):

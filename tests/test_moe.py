@@ -624,7 +624,7 @@ def test_expert_parallel_actor_update_equals_pytorch_reference(ray_two_devices, 
     token-mean policy-gradient loss on the same sequences (the dense actor's check in tests/test_short_api.py),
     experts included. The ranks route different tokens: with the experts' weights not marked expert-parallel in
     Megatron's config, DDP summed the gradients of the two ranks' different experts (e0 + e2, e1 + e3); tests
-    that give every rank the same batch could not see it. (Expert TP above TP: tests/test_moe_expert_tp.py.)"""
+    that give every rank the same batch could not see it. (Expert TP above TP: tests/test_moe_four_devices.py.)"""
     check_expert_parallel_update(parallel, 2, tmp_path)
 
 
@@ -689,7 +689,9 @@ def test_generation_expert_parallelism_in_the_trainer(ray_two_devices):
     """grpo_moe_tiny with rollout.ep=2: each generation replica holds 2 of the 4 experts (nothing is gathered:
     e_g = ep), the replicas decode in lockstep, and the first two steps equal the same job's with every expert on
     each replica; the rollout's log-probs equal the trainer's. The plan refuses rollout.ep for a dense model, one
-    that does not divide actor.parallel.ep and a rollout pool of its own, before any worker starts."""
+    that does not divide actor.parallel.ep, partial rollouts on a pool of its own, a pool whose replicas it
+    does not divide and (on a pool of its own) expert TP other than TP, before any worker starts (a pool of its
+    own: tests/test_moe_four_devices.py)."""
     from hybridrl.config import ConfigError, load_config
     from hybridrl.trainer.plan import plan_run
     from test_trainer_e2e import run_steps
@@ -703,8 +705,11 @@ def test_generation_expert_parallelism_in_the_trainer(ray_two_devices):
     for overrides, needle in (
             ([], "rollout.ep=2 splits the experts over generation replicas; the actor's model .* has no experts"),
             (["actor.parallel.ep=1"], "rollout.ep=2: .*rollout.ep 2 does not divide actor.parallel.ep 1"),
-            (["resources.pools.gen=2", "rollout.pool=gen"],
-             "rollout.ep=2: generation expert parallelism runs in the native engine on the actor's pool")):
+            (["resources.pools.gen=2", "rollout.pool=gen", "rollout.partial=true", "trainer.mode=one_step_off"],
+             "rollout.ep=2 with rollout.partial=true is not supported"),
+            (["resources.pools.gen=3", "rollout.pool=gen"], "rollout.ep=2 must divide the rollout pool's 3 replicas"),
+            (["resources.pools.gen=2", "rollout.pool=gen", "actor.parallel.tp=2", "actor.parallel.expert_tp=1",
+              "actor.parallel.sequence_parallel=true"], "takes the experts at the training TP layout")):
         config = None if not overrides else "grpo_moe_tiny.yaml"
         with pytest.raises(ConfigError, match=needle):
             plan_run(load_config(config, ["rollout.ep=2", *overrides]))

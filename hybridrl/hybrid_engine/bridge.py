@@ -9,6 +9,11 @@ A..A+B-1), opened once next to each pool's own group: gloo on CPU, NCCL when the
 point-to-point calls use one communicator per pair of ranks, so the per-sender order of the plan cannot
 deadlock; not run here: no GPU). Each receiver assembles its shards exactly as the colocated hybrid engine does
 (plan.generation_shard_from_training) and copies them into its model in place.
+
+Mixture-of-experts actors: with training expert parallelism (ep > 1, expert TP = TP) DP rank b of a stage holds
+expert block b, so a generation rank's experts (all of them, or the ep / e_g blocks of its generation expert
+block when the pool runs expert parallelism e_g) come from the DP ranks holding them: one more message per
+(block, training TP shard) beside dp rank 0's dense one, carrying only experts.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch.distributed as dist
 
 from hybridrl.hybrid_engine.plan import ParamSpec, generation_shard_from_training
 from hybridrl.hybrid_engine.reshard import ShardMeta
+from hybridrl.models.families import expert_number
 from hybridrl.parallel.layout import ParallelLayout
 
 
@@ -28,9 +34,11 @@ class Transfer:
     sender: int  # training rank (= its bridge rank)
     receiver: int  # rollout rank (its bridge rank is A + receiver)
     replicated: bool  # whether the message also carries the replicated tensors
+    dense: bool = True  # whether it carries the TP-partitioned tensors other than experts
+    experts: bool = True  # whether it carries the sender's experts
 
 
-def bridge_plan(train: ParallelLayout, gen_tp: int, rollout_ranks: int) -> list[Transfer]:
+def bridge_plan(train: ParallelLayout, gen_tp: int, rollout_ranks: int, gen_ep: int = 1) -> list[Transfer]:
     """Every (training rank -> rollout rank) message of one sync, in a fixed order."""
     if train.tp % gen_tp:
         raise ValueError(f"rollout.tp={gen_tp} must divide actor.parallel.tp={train.tp}: a generation shard is "
@@ -38,14 +46,24 @@ def bridge_plan(train: ParallelLayout, gen_tp: int, rollout_ranks: int) -> list[
     if rollout_ranks % gen_tp:
         raise ValueError(f"the rollout pool's {rollout_ranks} devices do not split into replicas of "
                          f"rollout.tp={gen_tp}")
-    gen = ParallelLayout(tp=gen_tp, dp=rollout_ranks // gen_tp)
-    k = train.tp // gen_tp
+    if train.expert_tp != train.tp:
+        raise ValueError(f"a rollout pool of its own takes the experts at the training TP layout; "
+                         f"actor.parallel.expert_tp={train.expert_tp} differs from tp={train.tp}: leave it unset")
+    if train.ep % gen_ep:
+        raise ValueError(f"rollout.ep={gen_ep} must divide actor.parallel.ep={train.ep} (a generation expert block "
+                         f"is made of whole training blocks)")
+    gen = ParallelLayout(tp=gen_tp, dp=rollout_ranks // gen_tp, ep=gen_ep)
+    k, per_block = train.tp // gen_tp, train.ep // gen_ep
     out = []
     for receiver in range(rollout_ranks):
-        g = gen.coords(receiver).tp
+        g, block = gen.coords(receiver).tp, gen.expert_coords(receiver).ep
+        # the training expert blocks this rank generates with (all of them at ep = 1: dp rank 0 holds them)
+        needed = range(block * per_block, (block + 1) * per_block) if train.ep > 1 else range(1)
         for stage in range(train.pp):
             for tp in range(g * k, (g + 1) * k):
-                out.append(Transfer(train.rank(pp=stage, dp=0, tp=tp), receiver, replicated=tp == g * k))
+                for b in sorted({0, *needed}):  # expert block b lives on DP rank b (expert TP = TP)
+                    out.append(Transfer(train.rank(pp=stage, dp=b, tp=tp), receiver, replicated=b == 0 and tp == g * k,
+                                        dense=b == 0, experts=b in needed))
     return out
 
 
@@ -87,8 +105,9 @@ def open_bridge(host: str, port: int, rank: int, size: int, timeout_s: float = 6
     return Bridge(pg, store, device)
 
 
-def _message_metas(metas: list[ShardMeta], replicated: bool) -> list[ShardMeta]:
-    return [m for m in metas if replicated or m.partition_dim is not None]
+def _message_metas(metas: list[ShardMeta], transfer: Transfer) -> list[ShardMeta]:
+    return [m for m in metas if (transfer.experts if expert_number(m.name) is not None else
+                                 transfer.dense and (transfer.replicated or m.partition_dim is not None))]
 
 
 class PendingSends:
@@ -112,7 +131,7 @@ def send_shards(bridge: Bridge, plan: list[Transfer], rank: int, params: dict[st
     for transfer in plan:
         if transfer.sender != rank:
             continue
-        chosen = _message_metas(metas, transfer.replicated)
+        chosen = _message_metas(metas, transfer)
         buffer = (torch.cat([params[m.name].detach().reshape(-1) for m in chosen]) if chosen
                   else torch.empty(0, device=bridge.device))
         works.append(bridge.pg.send([buffer], receiver_offset + transfer.receiver, rank))
@@ -130,7 +149,7 @@ class PendingReceive:
         self.metas, self.train = metas, train
         self.buffers, self.works = {}, []
         for transfer in self.mine:
-            numel = sum(m.numel for m in _message_metas(metas[transfer.sender], transfer.replicated))
+            numel = sum(m.numel for m in _message_metas(metas[transfer.sender], transfer))
             self.buffers[transfer.sender] = torch.empty(numel, dtype=dtype, device=bridge.device)
             self.works.append(bridge.pg.recv([self.buffers[transfer.sender]], transfer.sender, transfer.sender))
 
@@ -143,28 +162,26 @@ class PendingReceive:
 def _assemble(mine: list[Transfer], metas: dict[int, list[ShardMeta]], train: ParallelLayout,
               buffers: dict[int, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
     """{global name: generation shard} from the received buffers, and the payload bytes."""
-    pieces: dict[int, dict[str, torch.Tensor]] = {}
     received = 0
-    for transfer in mine:
-        offset, views = 0, {}
-        for m in _message_metas(metas[transfer.sender], transfer.replicated):
-            views[m.name] = buffers[transfer.sender][offset:offset + m.numel].view(m.shape)
-            offset += m.numel
-        pieces[transfer.sender] = views
-        received += buffers[transfer.sender].numel() * buffers[transfer.sender].element_size()
     out: dict[str, torch.Tensor] = {}
-    by_stage: dict[int, list[Transfer]] = {}
+    by_stage: dict[int, dict[str, list[tuple[int, ShardMeta, torch.Tensor]]]] = {}
     for transfer in mine:
-        by_stage.setdefault(train.coords(transfer.sender).pp, []).append(transfer)
-    for stage, transfers in sorted(by_stage.items()):
-        transfers.sort(key=lambda t: train.coords(t.sender).tp)
-        first = transfers[0]
-        for m in metas[first.sender]:
-            if m.name in out:  # a tied embedding's copy on the last stage
+        buffer, offset = buffers[transfer.sender], 0
+        c = train.coords(transfer.sender)
+        for m in _message_metas(metas[transfer.sender], transfer):
+            by_stage.setdefault(c.pp, {}).setdefault(m.name, []).append(
+                (c.tp, m, buffer[offset:offset + m.numel].view(m.shape)))
+            offset += m.numel
+        received += buffer.numel() * buffer.element_size()
+    for stage, by_name in sorted(by_stage.items()):
+        for name, pieces in by_name.items():
+            if name in out:  # a tied embedding's copy on the last stage
                 continue
+            pieces.sort(key=lambda piece: piece[0])  # training TP order
+            m = pieces[0][1]
             if m.partition_dim is None:
-                out[m.name] = pieces[first.sender][m.name]
+                out[name] = pieces[0][2]
                 continue
             spec = ParamSpec(m.name, m.shape, m.partition_dim, None, "layer", m.regroup)
-            out[m.name] = generation_shard_from_training([pieces[t.sender][m.name] for t in transfers], spec)
+            out[name] = generation_shard_from_training([piece[2] for piece in pieces], spec)
     return out, received

@@ -183,7 +183,7 @@ class RLTrainer:
                                                 tp=cfg.rollout.tp, engine=plan.rollout_engine,
                                                 max_batch_size=cfg.rollout.max_batch_size,
                                                 seed=cfg.trainer.seed, call_timeout_s=cfg.trainer.call_timeout_s,
-                                                partial=cfg.rollout.partial)
+                                                partial=cfg.rollout.partial, ep=cfg.rollout.ep)
         greedy = plan.algorithm.needs_greedy_baseline
         self.rollouts = RolloutQueue(self.roles["rollout"], self.loader, plan.rollout_ahead,
                                      cfg.algorithm.max_staleness,

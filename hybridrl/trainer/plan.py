@@ -75,7 +75,15 @@ def _plan_rollout_pool(cfg: Any, plan: RunPlan, pools: dict[str, int], held: dic
     _check(not (roll.partial and plan.rollout_engine != "native"),
            f"rollout.partial=true interrupts the native engine's decoding; rollout.engine resolved to "
            f"{plan.rollout_engine}: set rollout.engine=native or rollout.partial=false")
-    plan.roles["rollout"] = RolePlan("rollout", roll.pool, ParallelLayout(tp=roll.tp, dp=devices // roll.tp),
+    _check(roll.ep == 1 or (devices // roll.tp) % roll.ep == 0,
+           f"rollout.ep={roll.ep} must divide the rollout pool's {devices // roll.tp} replicas (rollout.pool "
+           f"{roll.pool!r}: {devices} devices / rollout.tp={roll.tp})")
+    actor = plan.roles["actor"].layout
+    _check(actor.expert_tp == actor.tp,
+           f"rollout.pool={roll.pool!r} takes the experts at the training TP layout; actor.parallel.expert_tp="
+           f"{actor.expert_tp} differs from tp={actor.tp}: leave it unset, or generate on the actor's pool")
+    plan.roles["rollout"] = RolePlan("rollout", roll.pool, ParallelLayout(tp=roll.tp, dp=devices // roll.tp,
+                                                                          ep=roll.ep),
                                      plan.roles["actor"].model_path)
     plan.rollout_ahead = {"sync": 0, "one_step_off": 1, "async": cfg.algorithm.max_staleness}[mode]
 
@@ -98,9 +106,10 @@ def _check_routing_record(roll: Any, plan: RunPlan) -> None:
 
 
 def _check_generation_experts(roll: Any, plan: RunPlan) -> None:
-    """rollout.ep > 1: a mixture-of-experts actor whose ep it divides (expert_tp = tp), the native engine on the
-    actor's pool, the hybrid reshard. Multi-turn episodes keep the replicas in step by themselves: every turn's
-    generate call reaches every rank (a replica without rows decodes a placeholder in lockstep)."""
+    """rollout.ep > 1: a mixture-of-experts actor whose ep it divides (expert_tp = tp), the native engine, the
+    hybrid reshard when colocated, no partial rollouts on a pool of its own. Multi-turn episodes keep the
+    replicas in step by themselves: every turn's generate call reaches every rank (a replica without rows
+    decodes a placeholder in lockstep)."""
     if roll.ep == 1:
         return
     from hybridrl.models import load_hf_config
@@ -116,11 +125,15 @@ def _check_generation_experts(roll: Any, plan: RunPlan) -> None:
     except LayoutError as exc:
         raise ConfigError(f"rollout.ep={roll.ep}: {exc}".replace("--gen-ep", "rollout.ep")
                           .replace("--train-ep", "actor.parallel.ep")) from None
-    _check(plan.rollout_engine == "native" and "rollout" not in plan.roles,
-           f"rollout.ep={roll.ep}: generation expert parallelism runs in the native engine on the actor's pool "
-           f"(rollout.engine resolved to {plan.rollout_engine}, rollout.pool={roll.pool!r}): set "
-           f"rollout.engine=native and rollout.pool to the actor's pool, or rollout.ep=1")
-    _check(roll.reshard == "hybrid", f"rollout.ep={roll.ep} needs rollout.reshard=hybrid (got {roll.reshard})")
+    _check(plan.rollout_engine == "native",
+           f"rollout.ep={roll.ep}: generation expert parallelism runs in the native engine (rollout.engine resolved "
+           f"to {plan.rollout_engine}): set rollout.engine=native, or rollout.ep=1")
+    if "rollout" in plan.roles:  # a pool of its own: the replicas' interrupt points would differ
+        _check(not roll.partial, f"rollout.ep={roll.ep} with rollout.partial=true is not supported: the expert-"
+                                 f"parallel replicas decode in lockstep, partial rollouts resume row groups each "
+                                 f"replica forms alone; unset one")
+    else:
+        _check(roll.reshard == "hybrid", f"rollout.ep={roll.ep} needs rollout.reshard=hybrid (got {roll.reshard})")
 
 
 def _episode_tokens(roll: Any) -> int:

@@ -4,7 +4,8 @@ Every rank of the pool holds a generation-layout Megatron model (t_g = the pool 
 rollout engine on it (native: generates with that model; vLLM: its own copy of the weights, pushed from that
 model after each sync, so the weights are held twice on this pool); the pool's dp replicas split the prompts.
 New weights come shard to shard from the actor's training ranks over the bridge (hybrid_engine/bridge.py); until
-the first sync the model holds the HF folder's.
+the first sync the model holds the HF folder's. Mixture-of-experts: with generation expert parallelism (the
+pool's layout ep = rollout.ep) each replica holds 1/ep of the experts and decodes in lockstep with its peers.
 
 New weights are taken before the next generation call. With `partial` (rollout.partial) they are also taken
 during one: between decode steps the replica reads the bridge's count of syncs sent; when it grew, the rows
@@ -135,8 +136,10 @@ class RolloutWorker(Worker):
         share = prompts.chunk(self.layout.dp)[coords.dp]
         outs, versions = [], []
         self.engine.wake()
+        # expert-parallel peers decode in lockstep: a replica without prompts keeps their pace (placeholder rows)
+        lockstep = self.layout.ep > 1
         try:
-            for setting in sampling if len(share) else []:
+            for setting in sampling if len(share) or lockstep else []:
                 setting = dict(setting)
                 stops = tuple(setting.pop("stop_token_ids", ()) or ()) or self.spec.stop_token_ids
                 seed = setting.pop("seed", None)
@@ -144,6 +147,9 @@ class RolloutWorker(Worker):
                                         seed=None if seed is None else int(seed) + coords.dp)
                 versions.append(self.version)
                 with torch.no_grad():
+                    if not len(share):
+                        self.engine.generate_rows([], params)
+                        continue
                     outs.append(self._generate_partial(share, params) if self.partial
                                 else self.engine.generate(share, params))
         finally:
