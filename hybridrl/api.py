@@ -316,7 +316,8 @@ class RolloutReplicas(_Role):
     """Generation replicas on a pool of their own (disaggregated), fed by `actor`'s training ranks shard to
     shard (hybrid_engine/bridge.py). `tp`: the generation TP (dividing the actor's); the pool's devices / tp
     replicas split the prompts. `ep` (mixture-of-experts actors): generation expert parallelism, each replica
-    holding 1/ep of the experts and decoding in lockstep with the replicas of its expert-parallel group. Call `sync()` after each actor update; `generate_sequences` like the actor's.
+    holding 1/ep of the experts and decoding in lockstep with the replicas of its expert-parallel group. Call
+    `sync()` after each actor update; `generate_sequences` like the actor's.
     `partial=True`: a generation in progress takes each new sync at once, its rows resuming with the new weights
     (each token's policy version in "policy_versions"); else syncs wait for the generations queued before them."""
 

@@ -198,11 +198,12 @@ class ExpertRegroup:
         """The rank's dense training shards plus every expert at its TP shard: an EP=1 model's TP shard."""
         return [p for p in params if p.name not in self.local_names] + self.remote
 
-    def _piece(self, bucket: list[tuple[str, ShardedParam]], tp_rank: int) -> torch.Tensor:
+    def _piece(self, bucket: list[tuple[str, ShardedParam]], tp_rank: int, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """What this rank's shard contributes to dense TP shard `tp_rank`, for every tensor of a bucket, flat:
         its sub-shard below tp, all of it above."""
         return torch.cat([tp_shard(p.name, p.tensor.detach(), p.partition_dim, tp_rank % self.split,
-                                   self.split).reshape(-1) for _, p in bucket])
+                                   self.split).reshape(-1) for _, p in bucket], out=out)
 
     @torch.no_grad()
     def gather(self) -> int:
@@ -221,7 +222,7 @@ class ExpertRegroup:
                 for shard, piece in zip(self.sources, target.chunk(self.join)):
                     holder = self.holder(block, shard)
                     if holder == self.rank:  # a piece of the rank's own experts: one copy
-                        piece.copy_(self._piece(bucket, self.tp_rank))
+                        self._piece(bucket, self.tp_rank, out=piece)
                     else:
                         works.append(dist.irecv(piece, holder, tag=tag))
                         received += piece.numel() * piece.element_size()

@@ -94,7 +94,8 @@ def plan(source_format: str, target_format: str, src: str, dst: str, tp: int = 1
     # the expert grid re-splits a stage's tp*dp ranks into ep * expert_tp-sized groups: the fewest DP replicas
     # whose ranks make a whole number of them
     grid = (expert_tp or tp) * ep
-    layout = ParallelLayout(tp=tp, pp=pp, dp=grid // math.gcd(grid, tp), ep=ep, etp=expert_tp)
+    dp = grid // math.gcd(grid, tp) if grid > 0 and tp > 0 else 1  # bad sizes: the layout names them
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, etp=expert_tp)
     src_path, dst_path = Path(src), Path(dst)
     if not src_path.is_dir():
         raise CheckpointError(f"source {src} does not exist or is not a folder")

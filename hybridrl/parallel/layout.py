@@ -58,13 +58,13 @@ class ParallelLayout:
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             raise LayoutError("vpp (virtual pipeline) needs pp > 1 and vpp >= 1")
         if self.tp % self.expert_tp and self.expert_tp % self.tp:
-            raise LayoutError(f"expert_tp={self.expert_tp} must divide tp={self.tp} or be a multiple of it (an expert's "
-                              f"TP shard is made of whole dense TP shards, or the other way round); choose expert_tp "
-                              f"in {divisors(self.tp)} or a multiple of {self.tp}")
+            raise LayoutError(f"expert_tp={self.expert_tp} must divide tp={self.tp} or be a multiple of it (an "
+                              f"expert's TP shard is made of whole dense TP shards, or the other way round); choose "
+                              f"expert_tp in {divisors(self.tp)} or a multiple of {self.tp}")
         stage = self.tp * self.dp  # ranks of a pipeline stage, re-split into the expert grid
         if stage % self.expert_tp:
-            raise LayoutError(f"expert_tp={self.expert_tp} must divide tp*dp = {self.tp}*{self.dp} = {stage} (the ranks "
-                              f"of a pipeline stage); choose expert_tp in {divisors(stage)}")
+            raise LayoutError(f"expert_tp={self.expert_tp} must divide tp*dp = {self.tp}*{self.dp} = {stage} (the "
+                              f"ranks of a pipeline stage); choose expert_tp in {divisors(stage)}")
         if self.ep == 1 and self.expert_tp != self.tp:
             raise LayoutError(f"expert_tp={self.expert_tp} other than tp={self.tp} needs ep > 1: Megatron-Core reduces "
                               f"the experts' gradients over their expert-data-parallel group (which then differs from "
@@ -114,8 +114,8 @@ class ParallelLayout:
                               f"has {num_experts}); choose ep in {divisors(num_experts) if num_experts else [1]}")
         widest = max(self.tp, self.expert_tp)  # an expert's shards: expert-TP ones, and dense TP ones to generate
         if num_experts and expert_ffn_hidden % widest:
-            raise LayoutError(f"the experts' intermediate size {expert_ffn_hidden} is not divisible by "
-                              f"max(tp, expert_tp) = {widest}; choose tp and expert_tp in {divisors(expert_ffn_hidden)}")
+            raise LayoutError(f"the experts' intermediate size {expert_ffn_hidden} is not divisible by max(tp, "
+                              f"expert_tp) = {widest}; choose tp and expert_tp in {divisors(expert_ffn_hidden)}")
         stages = self.pp * (self.vpp or 1)
         if num_layers % stages:
             raise LayoutError(f"num_layers={num_layers} is not divisible by pp*vpp={stages}; "
