@@ -67,23 +67,25 @@ def _native_runner(model_dir: str, new_tokens: int, max_len: int, max_batch: int
     from hybridrl.models.config import load_hf_config
     from hybridrl.parallel.distributed import free_port, init_distributed, initialize_model_parallel
     from hybridrl.parallel.layout import ParallelLayout
-    from hybridrl.rollout import SamplingParams, build_rollout_engine
+    from hybridrl.rollout import SamplingParams
+    from hybridrl.rollout.native import NativeRolloutEngine
 
     init_distributed(0, 1, "127.0.0.1", free_port())
     initialize_model_parallel(ParallelLayout())
     hf_config = load_hf_config(model_dir)
     model = build_gpt_model(hf_config)
     load_hf_weights(model, model_dir, hf_config)
-    engine = build_rollout_engine({"engine": "native"}, model=model.eval(), vocab_size=hf_config.vocab_size,
-                                  max_model_len=max_len, max_batch_size=max_batch, fast_forward=lean)
+    engine = NativeRolloutEngine(model.eval(), vocab_size=hf_config.vocab_size, max_model_len=max_len,
+                                 max_batch_size=max_batch, fast_forward=lean)
     params = SamplingParams(greedy=True, max_new_tokens=new_tokens)
     return lambda prompts: engine.generate(prompts, params)["responses"].tolist()
 
 
 def _vllm_runner(model_dir: str, new_tokens: int, max_len: int):
+    from hybridrl.config import RolloutConfig
     from hybridrl.rollout import SamplingParams, build_rollout_engine
 
-    engine = build_rollout_engine({"engine": "vllm"}, model_path=model_dir, max_model_len=max_len)
+    engine = build_rollout_engine(RolloutConfig(engine="vllm", max_model_len=max_len), model_path=model_dir)
     params = SamplingParams(greedy=True, max_new_tokens=new_tokens)
     return lambda prompts: engine.generate(prompts, params)["responses"].tolist()
 

@@ -20,12 +20,12 @@ _EXPORTS = {
     "Dispatch": "hybridrl.controller",
     "create_colocated_worker_group": "hybridrl.controller",
     "SamplingParams": "hybridrl.rollout",
-    "Actor": "hybridrl.api",
-    "ReferencePolicy": "hybridrl.api",
-    "Critic": "hybridrl.api",
-    "RewardModel": "hybridrl.api",
-    "Rollout": "hybridrl.api",
-    "RolloutReplicas": "hybridrl.api",
+    "Actor": "hybridrl.roles",
+    "ReferencePolicy": "hybridrl.roles",
+    "Critic": "hybridrl.roles",
+    "RewardModel": "hybridrl.roles",
+    "RolloutReplicas": "hybridrl.roles",
+    "Rollout": "hybridrl.rollout.types",
     "algorithms": "hybridrl.algorithms",
 }
 

@@ -5,9 +5,10 @@ before any worker starts, and every error names the option and the fix.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -74,6 +75,17 @@ class RoleConfig:
 
 
 @dataclass
+class VllmConfig:
+    """vLLM's engine settings (rollout.engine=vllm); the CPU defaults keep a tiny model's engine under ~1 GiB."""
+
+    dtype: Optional[str] = None  # None: the actor's dtype (actor.model.dtype), so log-probs match the trainer's
+    kv_cache_memory_bytes: Optional[int] = 64 << 20  # CPU: size of the KV cache (vLLM's CPU default is GiBs)
+    gpu_memory_utilization: float = 0.5  # GPU: share of GPU memory vLLM may take (weights + KV cache)
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = True  # GPU only: release()/wake() free and restore the KV cache
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "auto"  # auto (vllm where the model and machine support it, else native) | native | vllm
     tp: int = 1
@@ -107,6 +119,12 @@ class RolloutConfig:
     max_turns: int = 4  # model turns per episode (max_new_tokens each)
     max_episode_tokens: Optional[int] = None  # after the prompt, turns + observations; None: 2*max_turns*max_new_tokens
     turn_discount: float = 1.0  # episode reward = sum over turns t of turn_discount**t * reward_t
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+    @property
+    def routing_mode(self) -> str:
+        """What the actor's forwards do with the rollout's recorded experts: off | measure | replay."""
+        return "replay" if self.routing_replay else "measure" if self.record_routing else "off"
 
 
 @dataclass
@@ -233,6 +251,9 @@ class HybridRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
+# the config section of each role whose name differs from it (critics share `critic:`)
+ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic"}
+
 # options that moved: old key -> its new home (an old config gets a one-line pointer, not a schema error)
 MOVED_OPTIONS = {"reward.model": "reward_model.model", "reward.cost_model": "cost_model.model"}
 
@@ -311,8 +332,42 @@ def apply_algorithm_defaults(cfg: DictConfig) -> None:
             cfg.algorithm[key] = value
 
 
+Section = TypeVar("Section")
+
+
+def as_section(cls: type[Section], value: Any, where: str) -> Section:
+    """A config section from the short API's keyword argument (None, a dict, or the section itself): the one
+    place where keyword dicts become typed settings. Unknown keys are refused, naming the known ones."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"{where}: give a dict or a {cls.__name__}, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+    nested = {f.name: f.type for f in dataclasses.fields(cls)}
+    converted = {}
+    for key, item in value.items():
+        section = _SECTIONS.get(nested[key]) if isinstance(nested[key], str) else None
+        converted[key] = as_section(section, item, f"{where}[{key!r}]") if section and isinstance(item, dict) \
+            else item
+    return cls(**converted)
+
+
+def typed(section: Any) -> Any:
+    """A section of a loaded (OmegaConf) config as its dataclass, e.g. typed(cfg.rollout) -> RolloutConfig."""
+    return OmegaConf.to_object(section) if isinstance(section, DictConfig) else section
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+_SECTIONS = {name: cls for name, cls in globals().items()
+             if isinstance(cls, type) and dataclasses.is_dataclass(cls) and name.endswith("Config")}
 
 
 def to_yaml(cfg: DictConfig) -> str:

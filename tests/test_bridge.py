@@ -57,7 +57,7 @@ def test_rollout_pool_gets_the_actors_weights_shard_to_shard(ray_four_devices, p
         actor = hybridrl.Actor(parallel=parallel, rollout={"tp": 1, "max_new_tokens": 8, "n": 2},
                                resource_pool=actor_pool, optim={"optimizer": "sgd", "lr": 0.5, "clip_grad": 1e9,
                                                                 "use_distributed_optimizer": False})
-        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, tp=1)  # 2 replicas of t_g=1
+        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, {"tp": 1})  # 2 replicas of t_g=1
         # before any sync both hold the HF folder's weights: the same greedy answers
         assert replicas.generate_sequences(PROMPTS, greedy=True).texts == \
             actor.generate_sequences(PROMPTS, greedy=True).texts
@@ -94,7 +94,7 @@ def test_partial_rollout_resumes_with_the_weights_sent_mid_generation(ray_four_d
                                resource_pool=actor_pool, optim={"optimizer": "sgd", "lr": 0.5, "clip_grad": 1e9,
                                                                 "use_distributed_optimizer": False})
         initial = hybridrl.ReferencePolicy(resource_pool=actor_pool, parallel={"tp": 2})
-        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, tp=2, partial=True)
+        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, {"tp": 2, "partial": True})
         out = actor.generate_sequences(PROMPTS, seed=3)
         actor.update(actions=out, advantages=torch.randn(len(out), generator=torch.Generator().manual_seed(0)))
         # long enough that the sync (sent right after) lands while it runs; it starts with version 0 weights
@@ -129,7 +129,7 @@ def test_vllm_rollout_pool_generates_with_the_synced_weights(ray_four_devices, h
                                rollout={"tp": 1, "max_new_tokens": 8, "n": 2, "max_model_len": 128},
                                optim={"optimizer": "sgd", "lr": 0.5, "clip_grad": 1e9,
                                       "use_distributed_optimizer": False})
-        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, tp=1, engine="vllm")
+        replicas = hybridrl.RolloutReplicas(actor, rollout_pool, {"tp": 1, "engine": "vllm"})
         assert replicas.generate_sequences(PROMPTS, greedy=True).texts == \
             actor.generate_sequences(PROMPTS, greedy=True).texts
         out = actor.generate_sequences(PROMPTS, seed=3)
@@ -141,7 +141,7 @@ def test_vllm_rollout_pool_generates_with_the_synced_weights(ray_four_devices, h
         assert sampled.sequences.meta["policy_version"] == 1
         assert ((actor.compute_log_probs(sampled) - sampled.log_probs) * sampled.mask).abs().max() < 1e-4
         with pytest.raises(ValueError, match="rollout.partial=true"):
-            hybridrl.RolloutReplicas(actor, rollout_pool, tp=1, engine="vllm", partial=True)
+            hybridrl.RolloutReplicas(actor, rollout_pool, {"tp": 1, "engine": "vllm", "partial": True})
     finally:
         rollout_pool.shutdown()
         actor_pool.shutdown()

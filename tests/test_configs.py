@@ -209,4 +209,4 @@ def _check_plan(plan, want: dict, devices: int) -> None:
         layout = role.layout
         assert (layout.tp, layout.pp, layout.dp) == (want["tp"], want["pp"], devices // (want["tp"] * want["pp"]))
     assert plan.algorithm.needs_greedy_baseline == (want["algorithm"] == "remax")
-    assert plan.max_model_len == 2048 and plan.rows_per_step == 1024 and plan.mini_batches == 4
+    assert plan.rollout.max_model_len == 2048 and plan.rows_per_step == 1024 and plan.step.mini_batches == 4

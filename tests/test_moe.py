@@ -494,12 +494,12 @@ def _routing_replay_round(model_dir: str, layout: ParallelLayout, prompts: list[
     from hybridrl.parallel.generation import GenerationLayout
     from hybridrl.rollout import SamplingParams
     from hybridrl.rollout.native import NativeRolloutEngine
-    from hybridrl.workers.megatron_model import MegatronModel, ModelSpec
+    from hybridrl.workers.megatron_model import MegatronModel
     from hybridrl.workers.policy import response_log_probs
 
     initialize_model_parallel(layout)
-    model = MegatronModel(ModelSpec(model_dir, micro_batch_size=2, max_tokens_per_micro_batch=48,
-                                    sequence_parallel=layout.sequence_parallel))
+    model = MegatronModel(model_dir, micro_batch_size=2, max_tokens_per_micro_batch=48,
+                          sequence_parallel=layout.sequence_parallel)
     engine = HybridEngine(model.model, model.hf_config, layout, GenerationLayout(tp=1))
     rollout = NativeRolloutEngine(engine.gen_model, max_model_len=64, vocab_size=VOCAB, record_routing=True)
     params = SamplingParams(max_new_tokens=12, seed=3)

@@ -148,10 +148,10 @@ def test_episodes_on_the_real_actor(ray_two_devices, head_dim_32_model, engine):
 
 
 def test_conversation_format_plain_and_chat():
-    from hybridrl.api import _tokenizer_for
+    from hybridrl.data.tokenizer import tokenizer_for
     from hybridrl.models.tiny import default_model_dir
 
-    tokenizer = _tokenizer_for(str(default_model_dir()))
+    tokenizer = tokenizer_for(str(default_model_dir()))
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     plain = ConversationFormat(tokenizer, chat=False)
     assert plain.first("vowels:") == [tokenizer.bos_token_id] + encode("vowels:")  # like a dataset prompt
@@ -249,4 +249,4 @@ def test_python_tool_gpu_recipe_plans_for_qwen2_5_7b(tmp_path):
     assert set(plan.roles) == {"actor", "ref"} and plan.reward_fn is None  # the environment rewards
     actor = plan.roles["actor"].layout
     assert (actor.tp, actor.pp, actor.dp) == (2, 1, 4) and cfg.rollout.tp == 2
-    assert plan.response_length == 3072 and plan.max_model_len == 512 + 3072 and plan.mini_batches == 4
+    assert plan.response_length == 3072 and plan.rollout.max_model_len == 512 + 3072 and plan.step.mini_batches == 4

@@ -65,7 +65,7 @@ def test_hybridrl_side_config(job, layout, tmp_path):
     cfg = load_config("configs/grpo_tiny.yaml", peer_trl.hybridrl_overrides(job, layout, 3, tmp_path / "run"))
     plan = plan_run(cfg)
     assert set(plan.roles) == {"actor", "reward"} or "ref" not in plan.roles
-    assert plan.mini_batches == 1 and cfg.algorithm.ppo_epochs == 1
+    assert plan.step.mini_batches == 1 and cfg.algorithm.ppo_epochs == 1
     assert cfg.rollout.ignore_eos and cfg.rollout.max_new_tokens == 32 and cfg.rollout.n == 4
     assert plan.rows_per_step == 64
     assert plan.roles["actor"].layout.tp == (2 if layout == "tp2->1" else 1)

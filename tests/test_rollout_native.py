@@ -46,6 +46,7 @@ def _plain(batch) -> dict:
 def _native_suite(model_dir: str, new_model_dir: str, tp: int) -> dict:
     from hybridrl.parallel.distributed import initialize_model_parallel
     from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.config import RolloutConfig
     from hybridrl.rollout import SamplingParams, SamplingParamsError, build_rollout_engine
     from hybridrl.rollout.sampling import sampling_log_probs
 
@@ -53,8 +54,8 @@ def _native_suite(model_dir: str, new_model_dir: str, tp: int) -> dict:
     model, hf_config = _build_model(model_dir)
     vocab = hf_config.vocab_size
     # max_batch_size=4 < rows: several KV-cache batches per call.
-    engine = build_rollout_engine({"engine": "native"}, model=model, vocab_size=vocab, max_model_len=32,
-                                  max_batch_size=4)
+    engine = build_rollout_engine(RolloutConfig(engine="native", max_model_len=32, max_batch_size=4), model=model,
+                                  vocab_size=vocab)
     out: dict = {}
     greedy = SamplingParams(greedy=True, max_new_tokens=NEW_TOKENS)
     sample = SamplingParams(n=3, seed=11, max_new_tokens=NEW_TOKENS)
@@ -102,7 +103,7 @@ def _native_suite(model_dir: str, new_model_dir: str, tp: int) -> dict:
     # Weight push: copy another checkpoint's weights in, compare with a fresh engine built on them.
     new_model, _ = _build_model(new_model_dir)
     engine.load_weights((name, param.detach().clone()) for name, param in new_model.named_parameters())
-    fresh = build_rollout_engine({"engine": "native"}, model=new_model, vocab_size=vocab, max_model_len=32)
+    fresh = build_rollout_engine(RolloutConfig(engine="native", max_model_len=32), model=new_model, vocab_size=vocab)
     for name, params in (("greedy", greedy), ("sample", sample)):
         out[f"pushed_{name}"] = _plain(engine.generate(PROMPTS, params))
         out[f"fresh_{name}"] = _plain(fresh.generate(PROMPTS, params))

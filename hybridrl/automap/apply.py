@@ -34,10 +34,10 @@ def apply_auto_map(cfg: Any) -> dict:
     """Choose and write the mapping into `cfg` (in place); returns the search report (auto_map.json)."""
     import hybridrl.algorithms  # noqa: F401
     from hybridrl.algorithms.registry import get_algorithm
+    from hybridrl.algorithms.step import step_needs
     from hybridrl.automap.cost import Workload
-    from hybridrl.config import ConfigError
+    from hybridrl.config import ROLE_SECTIONS, ConfigError, typed
     from hybridrl.models.tiny import resolve_model_path
-    from hybridrl.trainer.plan import ROLE_SECTIONS
 
     alg, roll, data, res = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources
     try:
@@ -45,21 +45,16 @@ def apply_auto_map(cfg: Any) -> dict:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     devices = int(res.devices) + sum(int(v) for v in res.pools.values())
-    rows = data.batch_size * roll.n
-    mini_batches = rows // alg.mini_batch_size if alg.mini_batch_size else 1
-    on_policy = alg.ppo_epochs == 1 and mini_batches == 1
-    kl_ever = alg.kl.coef > 0 or (alg.kl.type == "linear" and alg.kl.final_coef > 0)
-    reference = spec.uses_reference and kl_ever
+    step = step_needs(spec, typed(alg), data.batch_size * roll.n)  # what the trainer's plan will decide
     work = Workload(prompts=data.batch_size, prompt_len=data.max_prompt_length, response_len=roll.max_new_tokens,
-                    samples=roll.n, greedy=spec.needs_greedy_baseline,
-                    mini_batches=mini_batches, epochs=alg.ppo_epochs,
-                    old_log_probs=not on_policy or (reference and alg.kl.mode == "reward"),
-                    max_decode_batch=roll.max_batch_size)
+                    samples=roll.n, greedy=step.greedy_baseline, mini_batches=step.mini_batches, epochs=step.epochs,
+                    old_log_probs=step.old_log_probs, max_decode_batch=roll.max_batch_size)
     actor_path = resolve_model_path(cfg.actor.model.path)
     try:
         acc = _machine(devices, int(res.nodes), cfg.actor.model.dtype)
         prob = make_problem(actor_path, alg.name, acc, devices, work, critic_model=cfg.critic.model.path,
-                            reward_model=cfg.reward_model.model, cost_model=cfg.cost_model.model, reference=reference)
+                            reward_model=cfg.reward_model.model, cost_model=cfg.cost_model.model,
+                            reference=step.reference)
         budget = cfg.actor.max_tokens_per_micro_batch
         prob.max_micro_batch = max(1, budget // work.tokens) if budget else cfg.actor.micro_batch_size
         result = Mapper(prob, "trainer").search(top_k=3)

@@ -76,6 +76,11 @@ class ResourcePool:
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
 
+    @property
+    def layout(self) -> Any:
+        """The ParallelLayout the pool's processes hold (colocated roles share it); None before any role."""
+        return None if self._hosts is None else self._hosts.layout
+
     def placement_groups(self) -> list[Any]:
         """One STRICT_PACK placement group per node, each with one {"GPU": 1} bundle per device (created once)."""
         if self._placement_groups:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
@@ -91,3 +92,16 @@ def load_tokenizer(path: str | Path | None = None):
             "create the bundled one with `python -m hybridrl.data.make_task`)"
         )
     return AutoTokenizer.from_pretrained(str(directory))
+
+
+def tokenizer_for(model_path: str | Path, tokenizer: Any = None):
+    """A role's tokenizer: `tokenizer` when given (an object, or a folder to load), else the model folder's own,
+    else the bundled character tokenizer (the tiny test models ship none)."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    folder = Path(model_path)
+    if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+        return load_tokenizer(folder)
+    return load_tokenizer(None)

@@ -215,3 +215,38 @@ class ParallelLayout:
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def role_layout(parallel, devices: int, option: str, pool: str, held: "tuple[str, ParallelLayout] | None" = None
+                ) -> ParallelLayout:
+    """A role's layout from its `parallel` settings (config.ParallelConfig) on a pool of `devices`: dp fills the
+    pool unless given. `held` = (first role, its layout) when the pool's processes already hold a layout:
+    colocated roles share it, so an explicit tp/pp that differs is refused. The one check behind both the
+    trainer's plan and the short API's constructors; LayoutError names `option` and the fix."""
+    own = _own_layout(parallel, devices, option, pool)
+    if held is None:
+        return own
+    first, shared = held
+    explicit = (parallel.tp, parallel.pp) != (1, 1)
+    if explicit and (own.tp, own.pp) != (shared.tp, shared.pp):
+        raise LayoutError(f"{option}.parallel (tp={own.tp}, pp={own.pp}) differs from {first}'s (tp={shared.tp}, "
+                          f"pp={shared.pp}) on the shared pool {pool!r}: colocated roles share one layout; drop "
+                          f"{option}.parallel or put the role on a pool of its own ({option}.pool + resources.pools)")
+    return shared
+
+
+def _own_layout(parallel, devices: int, option: str, pool: str) -> ParallelLayout:
+    if parallel.tp < 1 or parallel.pp < 1:
+        raise LayoutError(f"{option}.parallel.tp/pp must be >= 1")
+    if devices % (parallel.tp * parallel.pp):
+        raise LayoutError(f"{option}.parallel: tp={parallel.tp} x pp={parallel.pp} does not divide pool {pool!r}'s "
+                          f"{devices} devices; choose tp*pp in {divisors(devices)}")
+    dp = parallel.dp or devices // (parallel.tp * parallel.pp)
+    if parallel.tp * parallel.pp * dp != devices:
+        raise LayoutError(f"{option}.parallel: tp*pp*dp = {parallel.tp}*{parallel.pp}*{dp} != {devices} devices of "
+                          f"pool {pool!r}; leave dp unset to fill the pool")
+    try:
+        return ParallelLayout(tp=parallel.tp, pp=parallel.pp, dp=dp, sequence_parallel=parallel.sequence_parallel,
+                              ep=parallel.ep, etp=parallel.expert_tp)
+    except LayoutError as exc:
+        raise LayoutError(f"{option}.parallel: {exc}") from None

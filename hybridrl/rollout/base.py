@@ -93,6 +93,20 @@ class SamplingParams:
         return out
 
 
+@dataclass(frozen=True)
+class TokenIds:
+    """The tokenizer's ids an engine needs: the padding id and the tokens that end a response."""
+
+    pad: int = 0
+    stops: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> "TokenIds":
+        """The pad id (0 when the tokenizer has none) and its EOS as the stop token."""
+        eos = tokenizer.eos_token_id
+        return cls(tokenizer.pad_token_id or 0, () if eos is None else (int(eos),))
+
+
 def validate_prompts(prompts: Prompts, max_model_len: int, max_new_tokens: int,
                      vocab_size: int | None = None) -> list[list[int]]:
     """Refuse prompts an engine cannot serve, before any work starts; return them as int lists."""

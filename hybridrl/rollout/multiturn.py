@@ -18,6 +18,7 @@ and observation tokens). An episode ends "stop" when the environment says done, 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,9 @@ from typing import Any, Callable
 import numpy as np
 
 from hybridrl.envs.base import Environment, EnvironmentStepError, StepResult, make_env
+from hybridrl.protocol import Batch
 from hybridrl.rollout.base import GeneratedSequence, SamplingParams, assemble_batch
+from hybridrl.rollout.types import Rollout
 
 _MARK = "\u2063HRL_TURN_END\u2063"  # stands for the model's turn when the chat template renders an observation
 
@@ -99,7 +102,8 @@ class Episode:
 
 
 class EpisodeRunner:
-    """Runs batches of episodes of one environment with the actor (api.Actor: generation(), generate_turn())."""
+    """Runs batches of episodes of one environment with the actor (roles.Actor: sampling_params(), generation(),
+    generate_turn())."""
 
     def __init__(self, env: str, env_kwargs: dict, tokenizer: Any, chat: bool, limits: EpisodeLimits,
                  env_threads: int = 16) -> None:
@@ -109,18 +113,15 @@ class EpisodeRunner:
         self.env_threads = env_threads
 
     def run(self, actor: Any, prompts: Any, settings: list[dict]) -> list[Any]:
-        """One Rollout (api.Rollout) per setting (sampled, greedy, ...) for a PromptBatch: each prompt row
-        becomes `n` episodes (1 for greedy), all settings inside one generation transition."""
-        from hybridrl.api import Rollout
-
+        """One Rollout per setting (sampled, greedy, ...) for a PromptBatch: each prompt row becomes `n` episodes
+        (1 for greedy), all settings inside one generation transition."""
         rows = [{"prompt": text, **meta} for text, meta in zip(prompts.texts, prompts.metadata)]
         all_params = [actor.sampling_params(setting) for setting in settings]
         env_s = 0.0
         with actor.generation() as timing:
             results = []
             for params in all_params:
-                n = int(params.get("n", 1))
-                episodes = self._start([row for row in rows for _ in range(n)])
+                episodes = self._start([row for row in rows for _ in range(params.n)])
                 env_s += self._play(actor, episodes, params)
                 results.append(episodes)
         rollouts = []
@@ -148,7 +149,7 @@ class EpisodeRunner:
             episodes.append(Episode(env, row, prompt))
         return episodes
 
-    def _play(self, actor: Any, episodes: list[Episode], params: dict) -> float:
+    def _play(self, actor: Any, episodes: list[Episode], params: SamplingParams) -> float:
         """All turns of a batch of episodes; returns the seconds spent in the environment."""
         limits, env_s = self.limits, 0.0
         for turn in range(limits.max_turns):
@@ -161,8 +162,8 @@ class EpisodeRunner:
                 by_allowance[min(limits.max_new_tokens, limits.max_episode_tokens - len(e.tokens))].append(e)
             turn_tokens: dict[int, list[int]] = {}
             for allowance, members in by_allowance.items():
-                turn_params = {**params, "n": 1, "max_new_tokens": allowance,
-                               "seed": int(params["seed"]) + 1_000_003 * turn}
+                turn_params = dataclasses.replace(params, n=1, max_new_tokens=allowance,
+                                                  seed=int(params.seed) + 1_000_003 * turn)
                 out = actor.generate_turn([e.prompt + e.tokens for e in members], turn_params)
                 for row, e in enumerate(members):
                     keep = out["response_mask"][row].bool()
@@ -214,14 +215,10 @@ class EpisodeRunner:
             raise EnvironmentStepError(f"rollout.env={self.env_name!r}: {what}() raised {type(exc).__name__}: {exc} "
                                        f"(prompt {str(row.get('prompt'))[:60]!r})") from exc
 
-    def _batch(self, episodes: list[Episode], params: dict) -> Any:
+    def _batch(self, episodes: list[Episode], params: SamplingParams) -> Batch:
         sequences = [GeneratedSequence(e.prompt, e.tokens, e.log_probs, e.finish, model_mask=e.model_mask)
                      for e in episodes]
-        from hybridrl.protocol import Batch
-
-        batch = assemble_batch(sequences, SamplingParams(**{k: v for k, v in params.items()
-                                                            if k in SamplingParams.__dataclass_fields__}),
-                               self.tokenizer.pad_token_id or 0)
+        batch = assemble_batch(sequences, params, self.tokenizer.pad_token_id or 0)
         return Batch(batch.tensors, {**batch.non_tensors,
                                      "episode_rewards": [e.reward for e in episodes],
                                      "episode_turns": [e.turns for e in episodes],

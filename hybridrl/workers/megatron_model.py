@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from hybridrl.config import MoeConfig, OptimConfig, RoleConfig
 from hybridrl.controller.dispatch import Dispatch, register
 from hybridrl.protocol import Batch
 from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
@@ -29,56 +29,15 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class OptimSpec:
-    optimizer: str = "adam"  # adam | sgd (plain SGD: no momentum)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    use_distributed_optimizer: bool = True
-
-
-@dataclass
-class ModelSpec:
-    """What a role's model is: where its weights are, which head, precision, how it trains."""
-
-    path: str
-    head: str = "lm"  # lm | scalar
-    dtype: str = "float32"
-    micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is None
-    max_tokens_per_micro_batch: int | None = None  # token budget: pack sequences into rows (no padding rows)
-    optim: OptimSpec | None = None  # None: frozen (reference, reward model)
-    sequence_parallel: bool = False
-    moe: dict[str, float] = field(default_factory=dict)  # aux_loss_coef, z_loss_coef (models with experts)
-
-    @classmethod
-    def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
-        spec = dict(spec)
-        optim = spec.pop("optim", None)
-        if optim is not None and not isinstance(optim, OptimSpec):
-            optim = OptimSpec(**{k: (tuple(v) if k == "betas" else v) for k, v in dict(optim).items()})
-        return cls(optim=optim, **spec)
-
-
-def _router_losses(hf_config: Any, moe: dict[str, float]) -> dict[str, Any]:
+def _router_losses(hf_config: Any, moe: MoeConfig) -> dict[str, Any]:
     """Megatron settings of the routers' auxiliary losses (models with experts; none by default)."""
     from hybridrl.models.families import ModelDims
 
-    unknown = set(moe) - {"aux_loss_coef", "z_loss_coef"}
-    if unknown:
-        raise ValueError(f"moe: unknown keys {sorted(unknown)}; known: aux_loss_coef, z_loss_coef")
-    aux, z = float(moe.get("aux_loss_coef", 0.0)), float(moe.get("z_loss_coef", 0.0))
     if ModelDims.from_hf(hf_config).moe is None:
         return {}
+    aux, z = float(moe.aux_loss_coef), float(moe.z_loss_coef)
     return {"moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none", "moe_aux_loss_coeff": aux,
             "moe_z_loss_coeff": z if z > 0 else None}
-
-
-def model_spec(model: dict[str, Any], layout: Any, **fixed: Any) -> ModelSpec:
-    """A role's ModelSpec from its config dict, the role's fixed choices (head, optim=None) and its layout."""
-    return ModelSpec.from_dict({**model, **fixed, "sequence_parallel": layout.sequence_parallel})
 
 
 def rollout_rows(data: Batch, multiple_of: int = 1, with_routing: bool = False) -> PackedSequences:
@@ -93,27 +52,34 @@ def rollout_rows(data: Batch, multiple_of: int = 1, with_routing: bool = False) 
 
 
 class MegatronModel:
-    """A role's model shard on this rank (Megatron parallel state must already be initialised)."""
+    """A role's model shard on this rank (Megatron parallel state must already be initialised).
 
-    def __init__(self, spec: ModelSpec, seed: int = 1234) -> None:
+    path: a local Hugging Face folder; head: lm | scalar; optim: None for a frozen model (reference, reward
+    model); micro-batches pack sequences up to max_tokens_per_micro_batch tokens (None: micro_batch_size rows)."""
+
+    def __init__(self, path: str, *, head: str = "lm", dtype: str = "float32", micro_batch_size: int = 8,
+                 max_tokens_per_micro_batch: int | None = None, optim: OptimConfig | None = None,
+                 moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234) -> None:
         from megatron.core import parallel_state
 
         from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
         from hybridrl.parallel.distributed import device
 
-        if spec.dtype not in DTYPES:
-            raise ValueError(f"model dtype={spec.dtype!r}; choose one of {sorted(DTYPES)}")
-        if spec.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={spec.micro_batch_size} must be >= 1")
-        if spec.max_tokens_per_micro_batch is not None and spec.max_tokens_per_micro_batch < 1:
-            raise ValueError(f"max_tokens_per_micro_batch={spec.max_tokens_per_micro_batch} must be >= 1 (or None)")
-        self.spec = spec
-        self.hf_config = load_hf_config(spec.path)
+        if dtype not in DTYPES:
+            raise ValueError(f"model dtype={dtype!r}; choose one of {sorted(DTYPES)}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch={max_tokens_per_micro_batch} must be >= 1 (or None)")
+        self.path, self.head, self.dtype = path, head, dtype
+        self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
+        self.sequence_parallel = sequence_parallel
+        self.hf_config = load_hf_config(path)
         torch.manual_seed(seed)
-        model = build_gpt_model(self.hf_config, head=spec.head, dtype=DTYPES[spec.dtype],
-                                sequence_parallel=spec.sequence_parallel, **_router_losses(self.hf_config, spec.moe))
+        model = build_gpt_model(self.hf_config, head=head, dtype=DTYPES[dtype], sequence_parallel=sequence_parallel,
+                                **_router_losses(self.hf_config, moe or MoeConfig()))
         model = model.to(device())
-        load_hf_weights(model, spec.path, self.hf_config, init_missing_score=spec.head == "scalar")
+        load_hf_weights(model, path, self.hf_config, init_missing_score=head == "scalar")
         self.inner = model
         self.vocab_size = int(self.hf_config.vocab_size)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -128,8 +94,8 @@ class MegatronModel:
         # otherwise (moe/routing_mismatch), "replay" also route them as recorded (models/routing_replay.py)
         self.routing_mode: str | None = None
         self.forward_routing_mismatch: float | None = None  # of the last forward-only pass (the old log-probs)
-        if spec.optim is not None:
-            self._make_trainable(spec.optim)
+        if optim is not None:
+            self._make_trainable(optim)
             if model.config.num_moe_experts:
                 from hybridrl.workers.moe_metrics import RoutingTracker
 
@@ -137,7 +103,16 @@ class MegatronModel:
         self.steps = 0
 
     # ---- training setup ------------------------------------------------------------------------------
-    def _make_trainable(self, optim: OptimSpec) -> None:
+    @classmethod
+    def for_role(cls, role: RoleConfig, layout: Any, *, head: str = "lm", trainable: bool = True,
+                 seed: int = 1234) -> "MegatronModel":
+        """The model of a Megatron-backed role section (actor:, ref:, critic:) at the role's layout."""
+        return cls(role.model.path, head=head, dtype=role.model.dtype, micro_batch_size=role.micro_batch_size,
+                   max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
+                   optim=role.optim if trainable else None, moe=role.moe,
+                   sequence_parallel=layout.sequence_parallel, seed=seed)
+
+    def _make_trainable(self, optim: OptimConfig) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
             finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -166,15 +141,15 @@ class MegatronModel:
 
     # ---- running micro-batches -----------------------------------------------------------------------
     def _micro_batches(self, packed: PackedSequences, extra: dict[str, torch.Tensor]) -> tuple[list[dict], list[int]]:
-        """Micro-batches of this rank's sequences (workers/sequences.py): by token budget when the spec has
-        one, else micro_batch_size rows. Pipeline stages need one activation shape: uniform row counts. With
+        """Micro-batches of this rank's sequences (workers/sequences.py): by token budget when one is set,
+        else micro_batch_size rows. Pipeline stages need one activation shape: uniform row counts. With
         expert parallelism the data-parallel replicas whose MoE layers exchange tokens agree on the count."""
         from megatron.core import parallel_state
 
         from hybridrl.models.builder import shares_rows
         from hybridrl.parallel.distributed import device
 
-        options = dict(micro_batch_size=self.spec.micro_batch_size, max_tokens=self.spec.max_tokens_per_micro_batch,
+        options = dict(micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch,
                        share_rows=shares_rows(), uniform=parallel_state.get_pipeline_model_parallel_world_size() > 1,
                        device=device())
         batches, order = micro_batches(packed, extra, **options)
@@ -189,7 +164,7 @@ class MegatronModel:
         return micro_batches(packed, extra, count=int(count), **options)
 
     def _packed(self, data: Batch) -> PackedSequences:
-        return rollout_rows(data, self.tp if self.spec.sequence_parallel else 1,
+        return rollout_rows(data, self.tp if self.sequence_parallel else 1,
                             with_routing=self.routing_mode is not None)
 
     def _run(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list:

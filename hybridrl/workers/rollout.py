@@ -22,35 +22,33 @@ from typing import Any
 
 import torch
 
+from hybridrl.config import RolloutConfig
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
-from hybridrl.workers.actor import RolloutSpec
+from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
+from hybridrl.workers.actor import replica_params
+from hybridrl.workers.megatron_model import DTYPES
 
 
 class RolloutWorker(Worker):
-    def __init__(self, model: dict, rollout: dict, padded_vocab_size: int | None = None, partial: bool = False) -> None:
-        from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
-        from hybridrl.rollout import build_rollout_engine
-        from hybridrl.workers.megatron_model import DTYPES
+    def __init__(self, model_path: str, dtype: str, rollout: RolloutConfig, tokens: TokenIds,
+                 padded_vocab_size: int | None = None) -> None:
+        """model_path: the actor's initial weights (a local HF folder); dtype: the actor's; rollout: engine and
+        max_model_len resolved by the driver, rollout.partial for partial rollouts; padded_vocab_size: the
+        actor's padded vocabulary (it depends on the training TP), so its shards fit this model."""
+        from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights  # megatron: workers only
 
-        self.path = model["path"]
-        self.hf_config = load_hf_config(self.path)
-        self.dtype = DTYPES[model.get("dtype", "float32")]
-        # the actor's padded vocabulary (it depends on the training TP), so its shards fit this model
+        self.path, self.rollout = model_path, rollout
+        self.hf_config = load_hf_config(model_path)
+        self.dtype = DTYPES[dtype]
         self.model = build_gpt_model(self.hf_config, dtype=self.dtype, padded_vocab_size=padded_vocab_size).eval()
-        load_hf_weights(self.model, self.path, self.hf_config)
-        self.spec = RolloutSpec(**{**rollout, "stop_token_ids": tuple(rollout.get("stop_token_ids", ()))})
-        options = dict(self.spec.options)
-        if self.spec.engine == "native":
-            options.setdefault("max_batch_size", self.spec.max_batch_size)
-            options.setdefault("record_routing", self.spec.routing != "off")
-        else:  # vLLM runs SPMD over each replica's TP ranks (this pool's process group)
-            options.setdefault("tp_groups", self.layout.tp_groups())
-        self.engine = build_rollout_engine({"engine": self.spec.engine, "tp": self.layout.tp}, model=self.model,
-                                           model_path=self.path, vocab_size=int(self.hf_config.vocab_size),
-                                           max_model_len=self.spec.max_model_len, pad_token_id=self.spec.pad_token_id,
-                                           **options)
-        self.partial = partial
+        load_hf_weights(self.model, model_path, self.hf_config)
+        # vLLM runs SPMD over each replica's TP ranks (this pool's process group)
+        tp_groups = self.layout.tp_groups() if rollout.engine == "vllm" else None
+        self.engine = build_rollout_engine(rollout, model=self.model, model_path=model_path,
+                                           vocab_size=int(self.hf_config.vocab_size), tokens=tokens, dtype=dtype,
+                                           tp_groups=tp_groups)
+        self.partial = rollout.partial
         self.version = 0  # policy versions applied
         self._posted = 0  # policy versions whose receives are posted
         self._incoming = None  # posted receives of the newest version, not applied yet
@@ -102,7 +100,7 @@ class RolloutWorker(Worker):
         tensors, received = self._incoming.assemble()
         self._incoming = None
         load_generation_weights(self.model, tensors)
-        if self.spec.engine == "native":
+        if self.rollout.engine == "native":
             self.engine.load_weights(None)  # the native engine reads the model's parameters: drop the KV cache
         else:  # vLLM holds its own copy under HF names: full tensors, gathered over this replica's TP ranks
             from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
@@ -123,12 +121,10 @@ class RolloutWorker(Worker):
         return self._sent > self.version
 
     @register(Dispatch.ONE_TO_ALL)
-    def generate_sequences(self, prompts: Batch, sampling: list[dict]) -> tuple[int, list[Batch]] | None:
+    def generate_sequences(self, prompts: Batch, sampling: list[SamplingParams]) -> tuple[int, list[Batch]] | None:
         """This replica's share of the prompts for each sampling setting, with the newest weights received;
         (replica, [Batch per setting]) on its TP rank 0, None elsewhere. Each Batch's meta: the policy version
         it started with and the seconds this rank sat idle before the call."""
-        from hybridrl.rollout import SamplingParams
-
         idle_s = time.perf_counter() - self._idle_since
         if self._incoming is not None:
             self._apply()
@@ -139,12 +135,8 @@ class RolloutWorker(Worker):
         # expert-parallel peers decode in lockstep: a replica without prompts keeps their pace (placeholder rows)
         lockstep = self.layout.ep > 1
         try:
-            for setting in sampling if len(share) or lockstep else []:
-                setting = dict(setting)
-                stops = tuple(setting.pop("stop_token_ids", ()) or ()) or self.spec.stop_token_ids
-                seed = setting.pop("seed", None)
-                params = SamplingParams(**setting, stop_token_ids=stops,
-                                        seed=None if seed is None else int(seed) + coords.dp)
+            for params in sampling if len(share) or lockstep else []:
+                params = replica_params(params, coords.dp)
                 versions.append(self.version)
                 with torch.no_grad():
                     if not len(share):

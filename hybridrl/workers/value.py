@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algorithms.losses import masked_mean, value_loss
+from hybridrl.config import RoleConfig, ScoreModelConfig
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.protocol import Batch
-from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel, model_spec
+from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
 from hybridrl.workers.policy import response_index, response_mask
 from hybridrl.workers.sequences import gather_at
 
@@ -26,8 +27,8 @@ def _response_values(mb: dict, output: torch.Tensor) -> torch.Tensor:
 class CriticWorker(CheckpointedRole, Worker):
     """Value model V(s) trained with the clipped value loss (PPO, Safe-RLHF's reward and cost critics)."""
 
-    def __init__(self, model: dict, seed: int = 1) -> None:
-        self.model = MegatronModel(model_spec(model, self.layout, head="scalar"), seed=seed)
+    def __init__(self, role: RoleConfig, seed: int = 1) -> None:
+        self.model = MegatronModel.for_role(role, self.layout, head="scalar", seed=seed)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, data: Batch) -> Batch | None:
@@ -57,8 +58,12 @@ class CriticWorker(CheckpointedRole, Worker):
 class RewardModelWorker(Worker):
     """A frozen scalar model scoring whole sequences (reward model, or Safe-RLHF's cost model)."""
 
-    def __init__(self, model: dict, seed: int = 1) -> None:
-        self.model = MegatronModel(model_spec(model, self.layout, head="scalar", optim=None), seed=seed)
+    def __init__(self, scorer: ScoreModelConfig, seed: int = 1) -> None:
+        """scorer: the reward_model: / cost_model: section, its model a local folder."""
+        self.model = MegatronModel(scorer.model, head="scalar", dtype=scorer.dtype,
+                                   micro_batch_size=scorer.micro_batch_size,
+                                   max_tokens_per_micro_batch=scorer.max_tokens_per_micro_batch,
+                                   sequence_parallel=self.layout.sequence_parallel, seed=seed)
 
     @register(Dispatch.DP_COMPUTE)
     def score(self, data: Batch) -> Batch | None:

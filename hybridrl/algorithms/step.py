@@ -1,0 +1,47 @@
+"""What one step of an algorithm runs, decided once from its registry entry and the algorithm settings.
+
+The trainer's run plan holds it (trainer/plan.py) and the trainer loop and the automatic mapping's workload
+(automap/apply.py) read it; nothing re-derives these decisions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.algorithms.registry import AlgorithmSpec
+from hybridrl.config import AlgorithmConfig
+
+
+@dataclass(frozen=True)
+class StepNeeds:
+    reference: bool  # reference log-probs: some step's KL coefficient is non-zero (a linear schedule may rise)
+    kl_mode: str  # reward (per-token penalty on the rewards) | loss (a term of the actor's loss)
+    mini_batches: int  # optimizer steps per epoch
+    epochs: int
+    greedy_baseline: bool  # a greedy response per prompt (ReMax)
+    critic: bool
+    cost: bool  # a cost signal and its critic (Safe-RLHF)
+
+    @property
+    def on_policy(self) -> bool:
+        """One update over the whole batch: the update's own forward gives pi_old (detached), ratio 1."""
+        return self.epochs == 1 and self.mini_batches == 1
+
+    @property
+    def old_log_probs(self) -> bool:
+        """A separate pass for pi_old: off-policy updates, or a KL penalty in the reward (it needs pi_old's
+        log-probs before the advantages)."""
+        return not self.on_policy or (self.reference and self.kl_mode == "reward")
+
+    @property
+    def kl_loss(self) -> bool:
+        return self.reference and self.kl_mode == "loss"
+
+
+def step_needs(spec: AlgorithmSpec, alg: AlgorithmConfig, rows_per_step: int) -> StepNeeds:
+    """The step of algorithm `spec` with settings `alg` on `rows_per_step` sampled sequences (algorithm.mini_batch_size
+    must divide it: the plan checks that first)."""
+    kl_ever = alg.kl.coef > 0 or (alg.kl.type == "linear" and alg.kl.final_coef > 0)
+    mini_batches = rows_per_step // alg.mini_batch_size if alg.mini_batch_size else 1
+    return StepNeeds(reference=spec.uses_reference and kl_ever, kl_mode=alg.kl.mode or spec.default_kl_mode,
+                     mini_batches=mini_batches, epochs=alg.ppo_epochs, greedy_baseline=spec.needs_greedy_baseline,
+                     critic=spec.needs_critic, cost=spec.needs_cost_model)
