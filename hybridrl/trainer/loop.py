@@ -143,8 +143,8 @@ class RLTrainer:
                 "rollout_correction_cap": cfg.algorithm.rollout_correction_cap,
                 "rollout_correction_level": cfg.algorithm.rollout_correction_level,
                 "loss_agg": plan.loss_agg, "loss_agg_length": plan.response_length,
-                "policy_loss": plan.algorithm.policy_loss, "clip_ratio_high": cfg.algorithm.clip_ratio_high,
-                "module": cfg.algorithm.module}
+                "module": cfg.algorithm.module,  # the actor's workers import it to find a user's policy loss
+                "policy_loss": plan.algorithm.policy_loss, "clip_ratio_high": cfg.algorithm.clip_ratio_high}
         self.roles["actor"] = Actor(plan.roles["actor"].model_path, parallel("actor"), rollout, pool("actor"),
                                     optim=dict(a.optim), loss=loss, micro_batch_size=a.micro_batch_size,
                                     max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
