@@ -1,8 +1,11 @@
 """Dispatch planning without Ray: which rank gets which arguments, and how results are collected."""
+import pickle
+
 import pytest
 import torch
 
-from hybridrl.controller.dispatch import Dispatch, MethodSpec, plan_call, register, registered_methods
+from hybridrl.controller.dispatch import (CallPlan, Dispatch, MethodSpec, plan_call, register,
+                                         register_dispatch_mode, registered_methods)
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker import Worker
 from hybridrl.parallel.layout import ParallelLayout
@@ -89,6 +92,64 @@ def test_register_marks_methods():
 
     specs = registered_methods(W)
     assert specs == {"score": MethodSpec(Dispatch.DP_COMPUTE, False, 3.0, True), "save": MethodSpec(Dispatch.RANK_ZERO)}
+
+
+@register_dispatch_mode("test_last_stage")
+def last_stage(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
+    """A user's mode: only the last pipeline stage runs, each rank told its (dp, tp); the result is the TP-0
+    rank's per DP replica, in DP order."""
+    stage = [r for r in range(layout.world_size) if layout.coords(r).pp == layout.pp - 1]
+    rank_args = {r: (args, {**kwargs, "dp": layout.coords(r).dp, "tp": layout.coords(r).tp}) for r in stage}
+    heads = [r for r in stage if layout.coords(r).tp == 0]
+    return CallPlan(rank_args, lambda res: [res[r] for r in heads], frozenset(heads))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.describe())
+def test_user_dispatch_mode_by_name(layout: ParallelLayout):
+    class W(Worker):
+        @register("test_last_stage", blocking=False)
+        def head(self, x, dp, tp):
+            return x, dp, tp
+
+    spec = registered_methods(W)["head"]
+    assert spec == MethodSpec("test_last_stage", blocking=False) and type(spec.dispatch) is str
+    for spec in (spec, MethodSpec("test_last_stage")):  # the latter is what WorkerGroup.call(dispatch=...) builds
+        plan = plan_call(spec, layout, "head", ("x",), {})
+        assert sorted(plan.rank_args) == [r for r in range(layout.world_size) if layout.coords(r).pp == layout.pp - 1]
+        results = {r: W.head(None, *a, **k) for r, (a, k) in plan.rank_args.items()}
+        assert plan.collect(results) == [("x", d, 0) for d in range(layout.dp)]
+        assert plan.keep_ranks == set(layout.collect_ranks())
+
+
+def test_unknown_and_duplicate_dispatch_modes_are_refused():
+    with pytest.raises(ValueError, match="dispatch mode 'no_such_mode' is unknown; registered: all_to_all, "
+                                         "dp_compute, one_to_all, rank_zero, .*test_last_stage"):
+        register("no_such_mode")
+    with pytest.raises(ValueError, match="dispatch mode 'no_such_mode' is unknown"):
+        plan_call(MethodSpec("no_such_mode"), ParallelLayout(dp=2), "f", (), {})
+    register_dispatch_mode("test_last_stage")(last_stage)  # the same function again (a re-import) is fine
+    with pytest.raises(ValueError, match="'dp_compute' is already registered by hybridrl.controller.dispatch"):
+        @register_dispatch_mode(Dispatch.DP_COMPUTE)
+        def my_dp_compute(spec, layout, method, args, kwargs):
+            return CallPlan({0: (args, kwargs)}, lambda res: res[0])
+
+
+def test_user_planner_output_is_checked():
+    @register_dispatch_mode("test_bad_ranks")
+    def bad_ranks(spec, layout, method, args, kwargs):
+        return CallPlan({layout.world_size: (args, kwargs)}, lambda res: None)
+
+    with pytest.raises(ValueError, match=r"f: dispatch mode 'test_bad_ranks' planned ranks \[2\]; plan at least one "
+                                         r"rank in 0..1"):
+        plan_call(MethodSpec("test_bad_ranks"), ParallelLayout(dp=2), "f", (), {})
+
+
+def test_dispatch_stays_a_str_enum():
+    assert Dispatch.ONE_TO_ALL == "one_to_all" and MethodSpec().dispatch == "one_to_all"
+    assert MethodSpec(Dispatch.DP_COMPUTE, pad=False) == MethodSpec("dp_compute", pad=False)
+    assert pickle.loads(pickle.dumps(MethodSpec(Dispatch.RANK_ZERO))).dispatch == "rank_zero"
+    with pytest.raises(ValueError, match="must be a mode name"):
+        MethodSpec(3)
 
 
 def test_resource_pool_shapes():

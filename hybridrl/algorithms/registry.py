@@ -4,6 +4,8 @@ A module in hybridrl/algorithms/catalog/ (or a user's module, named by `algorith
 advantage estimator with `@register_algorithm(name, ...)`, declaring in the same place the inputs the
 algorithm needs (critic, greedy baseline, cost, reference) and its config defaults. The trainer reads only
 the spec: it starts the roles the spec asks for and calls the estimator; it never branches on a name.
+Its per-token policy loss is named by policy_loss: a loss registered the same way (@register_policy_loss,
+policy_losses.py), in the package or earlier in the user's module.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 
 from hybridrl.algorithms.base import AdvantageInputs, AdvantageResult
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
-from hybridrl.algorithms.policy_losses import POLICY_LOSSES
+from hybridrl.algorithms.policy_losses import POLICY_LOSS_REGISTRY, policy_loss_names
 
 Estimator = Callable[[AdvantageInputs], AdvantageResult]
 
@@ -30,7 +32,7 @@ class AlgorithmSpec:
     default_kl_mode: str = "reward"  # algorithm.kl.mode when unset: reward (per-token penalty) | loss
     default_kl_estimator: str = "k1"  # algorithm.kl.estimator when unset: k1 | k2 | k3
     default_loss_agg: str = "token_mean"  # algorithm.loss_agg when unset (algorithms/loss_agg.py)
-    policy_loss: str = "ppo"  # the per-token policy loss: ppo | gspo | cispo (algorithms/policy_losses.py)
+    policy_loss: str = "ppo"  # a registered per-token policy loss: ppo, gspo, cispo or a user's (policy_losses.py)
     config_defaults: dict = field(default_factory=dict)  # algorithm.<key> values used when the config leaves None
 
 
@@ -44,8 +46,9 @@ def register_algorithm(name: str, **declared) -> Callable[[Estimator], Estimator
         spec = AlgorithmSpec(name, estimator, **declared)
         if spec.default_kl_mode not in ("reward", "loss"):
             raise ValueError(f"algorithm {name!r}: default_kl_mode must be reward or loss")
-        if spec.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"algorithm {name!r}: policy_loss must be one of {POLICY_LOSSES}")
+        if spec.policy_loss not in POLICY_LOSS_REGISTRY:  # a user's loss: registered above, in the same module
+            raise ValueError(f"algorithm {name!r}: policy_loss={spec.policy_loss!r} is not registered; registered: "
+                             f"{', '.join(policy_loss_names())} (@register_policy_loss it before the algorithm)")
         if spec.default_loss_agg not in LOSS_AGG_MODES:
             raise ValueError(f"algorithm {name!r}: default_loss_agg must be one of {LOSS_AGG_MODES}")
         known = ALGORITHMS.get(name)

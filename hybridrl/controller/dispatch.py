@@ -2,6 +2,10 @@
 
 The data movement is declared next to the method (verl's idea); the driver then reads like
 serial code. Rank arithmetic comes from ParallelLayout only (coords, collect_ranks).
+
+A dispatch mode is one registered planner, `@register_dispatch_mode(name)` on a function
+(spec, layout, method, args, kwargs) -> CallPlan; the four built-in modes below are registered the same
+way, and a user's mode is then usable by name: `@register("my_mode")`, `group.call(..., dispatch="my_mode")`.
 """
 from __future__ import annotations
 
@@ -17,24 +21,41 @@ REGISTER_ATTR = "__hybridrl_register__"
 
 
 class Dispatch(str, Enum):
+    """Names of the built-in modes (a str: Dispatch.RANK_ZERO == "rank_zero"); any registered name works too."""
+
     ONE_TO_ALL = "one_to_all"  # same arguments to every rank; list of every rank's result
     ALL_TO_ALL = "all_to_all"  # argument i (a list of world_size items) goes to rank i; list of results
     RANK_ZERO = "rank_zero"    # only rank 0 runs; its result
     DP_COMPUTE = "dp_compute"  # Batch args split over DP ranks; results of TP0 / last PP stage, in order
 
 
+def dispatch_name(dispatch: Dispatch | str) -> str:
+    """The plain mode name of a Dispatch member or a str (what MethodSpec holds: pickles without the registry)."""
+    if isinstance(dispatch, Enum):
+        dispatch = dispatch.value
+    if not isinstance(dispatch, str):
+        raise ValueError(f"dispatch={dispatch!r} must be a mode name (str) or a Dispatch member")
+    return str(dispatch)
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    dispatch: Dispatch = Dispatch.ONE_TO_ALL
+    dispatch: str = Dispatch.ONE_TO_ALL.value  # a registered dispatch mode's name
     blocking: bool = True            # False: the call returns a GroupFuture
     timeout_s: float | None = None   # None: the group's call_timeout_s
     pad: bool = True                 # DP_COMPUTE, uneven batch: pad to a multiple of dp (else uneven chunks)
 
+    def __post_init__(self) -> None:
+        # a plain str, not the Enum: a Ray worker unpickling the class needs neither Dispatch nor the registry
+        object.__setattr__(self, "dispatch", dispatch_name(self.dispatch))
+
 
 def register(dispatch: Dispatch | str = Dispatch.ONE_TO_ALL, blocking: bool = True,
              timeout_s: float | None = None, pad: bool = True) -> Callable:
-    """Mark a Worker method as a group call with the given dispatch mode."""
-    spec = MethodSpec(Dispatch(dispatch), blocking, timeout_s, pad)
+    """Mark a Worker method as a group call with the given dispatch mode (a Dispatch member or the name of a
+    mode registered by @register_dispatch_mode before this line runs)."""
+    spec = MethodSpec(dispatch, blocking, timeout_s, pad)
+    get_dispatch_mode(spec.dispatch)  # refuse a typo where it is written, not at the first call
 
     def decorate(fn: Callable) -> Callable:
         setattr(fn, REGISTER_ATTR, spec)
@@ -62,23 +83,76 @@ class CallPlan:
                                                # send back only success or failure, not their data
 
 
+Planner = Callable[[MethodSpec, ParallelLayout, str, tuple, dict], CallPlan]
+DISPATCH_MODES: dict[str, Planner] = {}
+
+
+def register_dispatch_mode(name: Dispatch | str) -> Callable[[Planner], Planner]:
+    """Decorator: register the decorated planner (spec, layout, method, args, kwargs) -> CallPlan as dispatch
+    mode `name`. It runs on the driver only (plan_call). A name registered twice by different code is refused."""
+    name = dispatch_name(name)
+
+    def decorate(planner: Planner) -> Planner:
+        known = DISPATCH_MODES.get(name)
+        if known is not None and _origin(known) != _origin(planner):
+            raise ValueError(f"dispatch mode {name!r} is already registered by {'.'.join(_origin(known))}; "
+                             "pick another name")
+        DISPATCH_MODES[name] = planner
+        return planner
+
+    return decorate
+
+
+def _origin(fn: Callable) -> tuple[str, str]:
+    # the same function seen again (a module imported twice) is not a clash
+    return getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", repr(fn))
+
+
+def get_dispatch_mode(name: Dispatch | str) -> Planner:
+    name = dispatch_name(name)
+    if name not in DISPATCH_MODES:
+        raise ValueError(f"dispatch mode {name!r} is unknown; registered: {', '.join(sorted(DISPATCH_MODES))} "
+                         "(a new one: @register_dispatch_mode, in a module imported before its use)")
+    return DISPATCH_MODES[name]
+
+
 def plan_call(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
+    """The per-rank arguments and the collection of one group call, by the registered planner of spec.dispatch."""
+    plan = get_dispatch_mode(spec.dispatch)(spec, layout, method, args, kwargs)
+    # a user's planner is checked here, on the driver, before anything is sent to a rank
+    if not isinstance(plan, CallPlan):
+        raise ValueError(f"{method}: dispatch mode {spec.dispatch!r} returned {type(plan).__name__}, not a CallPlan")
+    bad = sorted(r for r in plan.rank_args if not (isinstance(r, int) and 0 <= r < layout.world_size))
+    if bad or not plan.rank_args:
+        raise ValueError(f"{method}: dispatch mode {spec.dispatch!r} planned ranks {bad or 'none'}; plan at "
+                         f"least one rank in 0..{layout.world_size - 1}")
+    return plan
+
+
+@register_dispatch_mode(Dispatch.ONE_TO_ALL)
+def _plan_one_to_all(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
     world = layout.world_size
-    if spec.dispatch is Dispatch.ONE_TO_ALL:
-        return CallPlan({r: (args, kwargs) for r in range(world)}, lambda res: [res[r] for r in range(world)])
-    if spec.dispatch is Dispatch.RANK_ZERO:
-        return CallPlan({0: (args, kwargs)}, lambda res: res[0])
-    if spec.dispatch is Dispatch.ALL_TO_ALL:
-        for i, value in [*enumerate(args), *kwargs.items()]:
-            if not isinstance(value, (list, tuple)) or len(value) != world:
-                raise ValueError(f"{method}: ALL_TO_ALL argument {i!r} must be a list of {world} items "
-                                 f"(one per rank), got {type(value).__name__}"
-                                 + (f" of {len(value)}" if isinstance(value, (list, tuple)) else ""))
-        rank_args = {r: (tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world)}
-        return CallPlan(rank_args, lambda res: [res[r] for r in range(world)])
-    return _plan_dp_compute(spec, layout, method, args, kwargs)
+    return CallPlan({r: (args, kwargs) for r in range(world)}, lambda res: [res[r] for r in range(world)])
 
 
+@register_dispatch_mode(Dispatch.RANK_ZERO)
+def _plan_rank_zero(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
+    return CallPlan({0: (args, kwargs)}, lambda res: res[0])
+
+
+@register_dispatch_mode(Dispatch.ALL_TO_ALL)
+def _plan_all_to_all(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
+    world = layout.world_size
+    for i, value in [*enumerate(args), *kwargs.items()]:
+        if not isinstance(value, (list, tuple)) or len(value) != world:
+            raise ValueError(f"{method}: ALL_TO_ALL argument {i!r} must be a list of {world} items "
+                             f"(one per rank), got {type(value).__name__}"
+                             + (f" of {len(value)}" if isinstance(value, (list, tuple)) else ""))
+    rank_args = {r: (tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world)}
+    return CallPlan(rank_args, lambda res: [res[r] for r in range(world)])
+
+
+@register_dispatch_mode(Dispatch.DP_COMPUTE)
 def _plan_dp_compute(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:
     batches = [v for v in [*args, *kwargs.values()] if isinstance(v, Batch)]
     if not batches:

@@ -358,7 +358,7 @@ class WorkerGroup:
     def call(self, method: str, *args: Any, dispatch: Dispatch | str = Dispatch.ONE_TO_ALL,
              timeout_s: float | None = None, **kwargs: Any) -> GroupFuture:
         """Call any worker method with an explicit dispatch mode; returns a future."""
-        return self._submit(method, MethodSpec(Dispatch(dispatch), False, timeout_s), args, kwargs)
+        return self._submit(method, MethodSpec(dispatch, False, timeout_s), args, kwargs)
 
     def _submit(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> GroupFuture:
         import ray

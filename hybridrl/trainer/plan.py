@@ -143,7 +143,7 @@ def _loss(cfg: Any, spec: AlgorithmSpec, loss_agg: str, response_length: int) ->
                             rollout_correction=alg.rollout_correction,
                             rollout_correction_cap=alg.rollout_correction_cap,
                             rollout_correction_level=alg.rollout_correction_level, policy_loss=spec.policy_loss,
-                            loss_agg=loss_agg, loss_agg_length=response_length)
+                            loss_agg=loss_agg, loss_agg_length=response_length, module=alg.get("module"))
 
 
 def _check_run_options(cfg: Any) -> None:

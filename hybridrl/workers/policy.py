@@ -12,7 +12,7 @@ import torch
 
 from hybridrl.algorithms.loss_agg import check_loss_agg, token_weights
 from hybridrl.algorithms.losses import kl_penalty, masked_mean
-from hybridrl.algorithms.policy_losses import POLICY_LOSSES, policy_token_loss
+from hybridrl.algorithms.policy_losses import check_policy_loss, policy_token_loss
 from hybridrl.algorithms.rollout_correction import check_correction, correction_weights, mismatch_metrics
 from hybridrl.workers.sequences import gather_at
 from hybridrl.workers.vocab_parallel import token_log_probs
@@ -54,15 +54,15 @@ class PolicyLossConfig:
     rollout_correction: str = "none"  # none | tis | mis, from mb["rollout_log_probs"] (rollout_correction.py)
     rollout_correction_cap: float = 2.0
     rollout_correction_level: str = "token"  # token | sequence
-    policy_loss: str = "ppo"  # ppo | gspo | cispo (algorithms/policy_losses.py)
+    policy_loss: str = "ppo"  # a registered loss: ppo | gspo | cispo | a user's (algorithms/policy_losses.py)
+    module: str | None = None  # algorithm.module: this worker imports it when it registers policy_loss
     loss_agg: str = "token_mean"  # algorithms/loss_agg.py; the step divides by the mini-batch's units
     loss_agg_length: int | None = None  # the constant of seq_mean_token_sum_norm (max_new_tokens)
 
     def __post_init__(self) -> None:
         check_correction(self.rollout_correction, self.rollout_correction_cap, self.rollout_correction_level)
         check_loss_agg(self.loss_agg, self.loss_agg_length)
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"policy loss {self.policy_loss!r} is unknown; choose one of {POLICY_LOSSES}")
+        check_policy_loss(self.policy_loss, self.module, dual_clip=self.dual_clip)
 
 
 def actor_loss_terms(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
@@ -85,13 +85,13 @@ def actor_loss_terms(mb: dict, logits: torch.Tensor, vocab_size: int, tp_group,
             advantages = advantages * weights  # w > 0 and detached: the clipped objective scales by w
             mismatch["mismatch/corrected_fraction"] = fraction
     pg_tokens, stats = policy_token_loss(cfg.policy_loss, log_probs, old, advantages, mask, cfg.clip_ratio,
-                                         cfg.clip_ratio_high, cfg.dual_clip)
+                                         cfg.clip_ratio_high, cfg.dual_clip, module=cfg.module)
     weights = token_weights(mask, cfg.loss_agg)  # the step divides the sum by the mini-batch's units
     count = mask.sum()
     loss_sum = (weights * pg_tokens).sum()
-    metrics = {"actor/pg_loss": masked_mean(pg_tokens.detach(), mask), "actor/clipfrac": stats["clipfrac"],
-               "actor/approx_kl": stats["approx_kl"], "actor/entropy": masked_mean(entropy.detach(), mask),
-               **mismatch}
+    metrics = {"actor/pg_loss": masked_mean(pg_tokens.detach(), mask),  # then clipfrac, approx_kl, the loss's own
+               **{f"actor/{key}": value for key, value in stats.items()},
+               "actor/entropy": masked_mean(entropy.detach(), mask), **mismatch}
     if cfg.entropy_coef:
         loss_sum = loss_sum - cfg.entropy_coef * (entropy * weights).sum()
     if cfg.kl_loss_coef:
