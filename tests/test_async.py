@@ -9,6 +9,7 @@ import ray
 
 from hybridrl.config import load_config
 from hybridrl.trainer.loop import RLTrainer
+from hybridrl.trainer.run import run_training
 from hybridrl.trainer.plan import plan_run
 
 pytestmark = pytest.mark.slow
@@ -78,7 +79,7 @@ def test_one_step_off_and_a_dead_rollout_pool_restarted_alone(ray_four_devices, 
     trainer = RLTrainer(cfg, plan_run(cfg))
     tracker = _KillRolloutAt(trainer, at=2)
     try:
-        history = trainer.run(tracker, tmp_path)
+        history = run_training(trainer, tracker, tmp_path)
         weights_version = trainer.roles["rollout"].version
     finally:
         trainer.close()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hybridrl.trainer import checkpoint as ckpt
+from hybridrl.trainer.run import run_training
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +120,7 @@ def reference_run(ray_cluster, tmp_path_factory):
     trainer = _trainer(["trainer.steps=6", "trainer.save_every=3", f"trainer.run_dir={run_dir}"])
     tracker = _tracker(run_dir)
     try:
-        trainer.run(tracker, run_dir)
+        run_training(trainer, tracker, run_dir)
         actor = trainer.roles["actor"]
         rollout = actor.generate_sequences(trainer.loader.next_batch(), seed=7)
         log_probs = actor.compute_log_probs(rollout)
@@ -190,7 +191,7 @@ def test_tp2_checkpoint_resumes_at_tp1(reference_run, tmp_path):
     trainer = _trainer(["trainer.steps=4", "actor.parallel.tp=1", f"trainer.run_dir={run_dir}"])
     tracker = _tracker(run_dir)
     try:
-        trainer.run(tracker, run_dir, ckpt.resolve_resume(str(reference_run["dir"] / "ckpt" / "step_3"), run_dir))
+        run_training(trainer, tracker, run_dir, ckpt.resolve_resume(str(reference_run["dir"] / "ckpt" / "step_3"), run_dir))
         assert trainer.roles["actor"].layout.tp == 1
     finally:
         trainer.close()
@@ -220,7 +221,7 @@ def test_killed_worker_is_recovered_and_run_finishes(reference_run, tmp_path):
     hook.update(on_call=kill_actor, fire_at=4 * ROWS_PER_STEP + 3)  # during step 5's scoring
     tracker = _tracker(run_dir)
     try:
-        trainer.run(tracker, run_dir)
+        run_training(trainer, tracker, run_dir)
         new_pid = trainer.roles["actor"].group.worker_info[0]["pid"]
     finally:
         trainer.close()
@@ -248,7 +249,7 @@ def test_hung_rank_is_detected_dumped_and_recovered(ray_cluster, tmp_path):
     hook.update(on_call=stop_rank_1, fire_at=2 * ROWS_PER_STEP + 3)  # during step 3's scoring
     tracker = _tracker(run_dir)
     try:
-        trainer.run(tracker, run_dir)
+        run_training(trainer, tracker, run_dir)
     finally:
         trainer.close()
         tracker.close()
@@ -297,7 +298,7 @@ def test_a_rank_that_raises_mid_update_ends_the_run_at_once(ray_cluster, tmp_pat
     tracker = _tracker(run_dir)
     try:
         with pytest.raises(WorkerError, match="role 'actor' rank 1: update failed: RuntimeError: injected") as raised:
-            trainer.run(tracker, run_dir)
+            run_training(trainer, tracker, run_dir)
         assert not isinstance(raised.value, WorkerDiedError)
     finally:
         trainer.close()
@@ -308,7 +309,7 @@ def test_a_rank_that_raises_mid_update_ends_the_run_at_once(ray_cluster, tmp_pat
 
 
 def test_worker_deaths_beyond_max_restarts_stop_with_a_message(ray_cluster, tmp_path):
-    from hybridrl.trainer.loop import RestartsExhaustedError
+    from hybridrl.trainer.run import RestartsExhaustedError
 
     hook = _hook()
     run_dir = tmp_path / "exhausted"
@@ -319,7 +320,7 @@ def test_worker_deaths_beyond_max_restarts_stop_with_a_message(ray_cluster, tmp_
     tracker = _tracker(run_dir)
     try:
         with pytest.raises(RestartsExhaustedError, match=r"trainer.max_restarts=0"):
-            trainer.run(tracker, run_dir)
+            run_training(trainer, tracker, run_dir)
     finally:
         trainer.close()
         tracker.close()
@@ -434,7 +435,7 @@ def test_ppo_critic_is_checkpointed_and_resumes_exactly(ray_cluster, tmp_path):
         trainer = _trainer(ppo + [f"trainer.run_dir={run_dir}"])
         tracker = _tracker(run_dir)
         try:
-            trainer.run(tracker, run_dir, resume and tmp_path / resume / "ckpt" / "step_1")
+            run_training(trainer, tracker, run_dir, resume and tmp_path / resume / "ckpt" / "step_1")
         finally:
             trainer.close()
             tracker.close()

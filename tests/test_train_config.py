@@ -183,11 +183,11 @@ def test_rollout_engine_auto_picks_vllm_where_supported(tmp_path, caplog):
     from hybridrl.models.tiny import create_tiny_model
 
     with caplog.at_level("WARNING"):
-        assert plan("rollout.engine=auto").rollout_engine == "native"  # the embedded model: head_dim 16
+        assert plan("rollout.engine=auto").rollout.engine == "native"  # the embedded model: head_dim 16
     assert "rollout.engine=auto: native engine" in caplog.text and "head_dim=16" in caplog.text
     model = create_tiny_model(tmp_path / "m", hidden=64, heads=2, kv_heads=2, layers=2)
-    assert plan("rollout.engine=auto", f"actor.model.path={model}").rollout_engine == "vllm"
-    assert plan("rollout.engine=native", f"actor.model.path={model}").rollout_engine == "native"
+    assert plan("rollout.engine=auto", f"actor.model.path={model}").rollout.engine == "vllm"
+    assert plan("rollout.engine=native", f"actor.model.path={model}").rollout.engine == "native"
 
 
 @pytest.mark.parametrize("override", ["data.train_files=[a", "trainer.steps={", "actor.parallel=[1,"])

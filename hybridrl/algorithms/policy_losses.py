@@ -23,9 +23,10 @@ from functools import lru_cache
 import torch
 
 from hybridrl.algorithms.losses import masked_mean, ppo_policy_token_loss
+from hybridrl.registry import Registry, import_user_module
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSS_REGISTRY: dict[str, PolicyLoss] = {}
+POLICY_LOSS_REGISTRY = Registry("policy loss", "@register_policy_loss in the module named by algorithm.module")
 REQUIRED_STATS = ("clipfrac", "approx_kl")
 RESERVED_STATS = ("pg_loss", "entropy", "kl_loss")  # the actor's own metrics (workers/policy.py)
 
@@ -34,18 +35,9 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator: register the decorated per-token loss as policy loss `name` (an algorithm's policy_loss).
     A name registered twice by different code is refused."""
     def decorate(loss: PolicyLoss) -> PolicyLoss:
-        known = POLICY_LOSS_REGISTRY.get(name)
-        if known is not None and _origin(known) != _origin(loss):
-            raise ValueError(f"policy loss {name!r} is already registered by {'.'.join(_origin(known))}; "
-                             "pick another name")
-        POLICY_LOSS_REGISTRY[name] = loss
+        POLICY_LOSS_REGISTRY.add(name, loss, loss)
         return loss
     return decorate
-
-
-def _origin(fn: Callable) -> tuple[str, str]:
-    # the same function seen again (a module imported twice) is not a clash
-    return getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", repr(fn))
 
 
 def policy_loss_names() -> list[str]:
@@ -57,14 +49,9 @@ def get_policy_loss(name: str, module: str | None = None) -> PolicyLoss:
     """The loss registered as `name`; when it is not (yet), import `module` (algorithm.module: a Ray worker
     has not imported the user's module the driver did) and look again."""
     if name not in POLICY_LOSS_REGISTRY and module:
-        from hybridrl.algorithms.registry import import_algorithm_module  # registry imports this module
-
-        import_algorithm_module(module)
-    if name not in POLICY_LOSS_REGISTRY:
-        where = f"module {module!r} does not register it" if module else "no algorithm.module registers it"
-        raise ValueError(f"policy loss {name!r} is unknown ({where}); registered: {', '.join(policy_loss_names())} "
-                         "(a new one: @register_policy_loss in the module named by algorithm.module)")
-    return POLICY_LOSS_REGISTRY[name]
+        import_user_module(module)
+    where = f" (module {module!r} does not register it)" if module else " (no algorithm.module registers it)"
+    return POLICY_LOSS_REGISTRY.lookup(name, where=where)
 
 
 @lru_cache(maxsize=None)

@@ -9,13 +9,13 @@ policy_losses.py), in the package or earlier in the user's module.
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridrl.algorithms.base import AdvantageInputs, AdvantageResult
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridrl.algorithms.policy_losses import POLICY_LOSS_REGISTRY, policy_loss_names
+from hybridrl.registry import Registry, import_user_module
 
 Estimator = Callable[[AdvantageInputs], AdvantageResult]
 
@@ -36,7 +36,7 @@ class AlgorithmSpec:
     config_defaults: dict = field(default_factory=dict)  # algorithm.<key> values used when the config leaves None
 
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {}
+ALGORITHMS = Registry("algorithm", "@register_algorithm in a module named by algorithm.module")
 
 
 def register_algorithm(name: str, **declared) -> Callable[[Estimator], Estimator]:
@@ -51,28 +51,18 @@ def register_algorithm(name: str, **declared) -> Callable[[Estimator], Estimator
                              f"{', '.join(policy_loss_names())} (@register_policy_loss it before the algorithm)")
         if spec.default_loss_agg not in LOSS_AGG_MODES:
             raise ValueError(f"algorithm {name!r}: default_loss_agg must be one of {LOSS_AGG_MODES}")
-        known = ALGORITHMS.get(name)
-        if known is not None and known.estimator.__qualname__ != estimator.__qualname__:
-            raise ValueError(f"algorithm {name!r} is already registered by {known.estimator.__module__}")
-        ALGORITHMS[name] = spec
+        ALGORITHMS.add(name, spec, estimator)
         return estimator
     return decorate
 
 
 def import_algorithm_module(module: str) -> None:
     """Import a user's module so that its @register_algorithm runs (algorithm.module)."""
-    try:
-        importlib.import_module(module)
-    except ImportError as exc:
-        raise ValueError(f"algorithm.module={module!r} cannot be imported ({exc}); give an importable module "
-                         f"path (on PYTHONPATH) that registers the algorithm") from None
+    import_user_module(module, "algorithm.module")
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm.name={name!r} is unknown; registered: {', '.join(sorted(ALGORITHMS))} "
-                         f"(a new one: @register_algorithm in a module named by algorithm.module)")
-    return ALGORITHMS[name]
+    return ALGORITHMS.lookup(name, subject=f"algorithm.name={name!r}")
 
 
 def validate_algorithm(name: str, samples_per_prompt: int = 1, has_cost: bool = False,

@@ -14,15 +14,20 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+import hybridrl.algorithms  # noqa: F401  registers the built-in algorithms
+from hybridrl.algorithms.registry import get_algorithm
+from hybridrl.algorithms.step import step_needs
+from hybridrl.automap.cost import Workload
+from hybridrl.automap.hardware import cpu_calibrated, detect_gpu
 from hybridrl.automap.search import Mapper, make_problem, mapping_json, pool_name
+from hybridrl.config import ROLE_SECTIONS, ConfigError, typed
+from hybridrl.models.tiny import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 
 def _machine(devices: int, nodes: int, dtype: str):
     import torch
-
-    from hybridrl.automap.hardware import cpu_calibrated, detect_gpu
 
     acc = detect_gpu(devices // nodes) if torch.cuda.is_available() else cpu_calibrated(devices)
     if dtype == "float32":
@@ -32,13 +37,6 @@ def _machine(devices: int, nodes: int, dtype: str):
 
 def apply_auto_map(cfg: Any) -> dict:
     """Choose and write the mapping into `cfg` (in place); returns the search report (auto_map.json)."""
-    import hybridrl.algorithms  # noqa: F401
-    from hybridrl.algorithms.registry import get_algorithm
-    from hybridrl.algorithms.step import step_needs
-    from hybridrl.automap.cost import Workload
-    from hybridrl.config import ROLE_SECTIONS, ConfigError, typed
-    from hybridrl.models.tiny import resolve_model_path
-
     alg, roll, data, res = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources
     try:
         spec = get_algorithm(alg.name)

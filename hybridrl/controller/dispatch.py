@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
+from hybridrl.registry import Registry
 
 REGISTER_ATTR = "__hybridrl_register__"
 
@@ -84,7 +85,7 @@ class CallPlan:
 
 
 Planner = Callable[[MethodSpec, ParallelLayout, str, tuple, dict], CallPlan]
-DISPATCH_MODES: dict[str, Planner] = {}
+DISPATCH_MODES = Registry("dispatch mode", "@register_dispatch_mode, in a module imported before its use")
 
 
 def register_dispatch_mode(name: Dispatch | str) -> Callable[[Planner], Planner]:
@@ -93,27 +94,14 @@ def register_dispatch_mode(name: Dispatch | str) -> Callable[[Planner], Planner]
     name = dispatch_name(name)
 
     def decorate(planner: Planner) -> Planner:
-        known = DISPATCH_MODES.get(name)
-        if known is not None and _origin(known) != _origin(planner):
-            raise ValueError(f"dispatch mode {name!r} is already registered by {'.'.join(_origin(known))}; "
-                             "pick another name")
-        DISPATCH_MODES[name] = planner
+        DISPATCH_MODES.add(name, planner, planner)
         return planner
 
     return decorate
 
 
-def _origin(fn: Callable) -> tuple[str, str]:
-    # the same function seen again (a module imported twice) is not a clash
-    return getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", repr(fn))
-
-
 def get_dispatch_mode(name: Dispatch | str) -> Planner:
-    name = dispatch_name(name)
-    if name not in DISPATCH_MODES:
-        raise ValueError(f"dispatch mode {name!r} is unknown; registered: {', '.join(sorted(DISPATCH_MODES))} "
-                         "(a new one: @register_dispatch_mode, in a module imported before its use)")
-    return DISPATCH_MODES[name]
+    return DISPATCH_MODES.lookup(dispatch_name(name))
 
 
 def plan_call(spec: MethodSpec, layout: ParallelLayout, method: str, args: tuple, kwargs: dict) -> CallPlan:

@@ -12,9 +12,10 @@ from hybridrl.config import ModelConfig, MoeConfig, OptimConfig, ParallelConfig,
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.tiny import resolve_model_path
-from hybridrl.parallel.layout import ParallelLayout
+from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
+from hybridrl.parallel.layout import LayoutError, ParallelLayout, divisors
 from hybridrl.protocol import Batch
-from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics
+from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, layout_on, start_pool
 from hybridrl.rollout import SamplingParams, TokenIds, sampling_params_from_config
 from hybridrl.rollout.prompts import check_prompts, encode_prompts, left_pad
 from hybridrl.rollout.types import Rollout, as_sequences, merge_replicas, policy_inputs, rollouts_from_replicas
@@ -65,7 +66,10 @@ class Actor(Role):
                pool: ResourcePool | None, tokenizer: Any, seed: int, role: str, call_timeout_s: float | None) -> None:
         self.settings, self.rollout, self.loss, self.tokenizer = settings, rollout, loss, tokenizer
         self.tokens = TokenIds.of(tokenizer)
-        super().__init__(ActorWorker, role, pool, parallel,
+        self.pool = start_pool(pool)
+        self.layout = layout_on(self.pool, parallel, role)
+        check_generation(rollout, self.layout)  # before any worker starts
+        super().__init__(ActorWorker, role, self.pool, self.layout,
                          {"role": settings, "rollout": rollout, "tokens": self.tokens, "seed": seed}, seed,
                          call_timeout_s)
         self._step_seed = seed * 1_000_003
@@ -177,6 +181,21 @@ class Actor(Role):
     @sampling_seed.setter
     def sampling_seed(self, value: int) -> None:
         self._step_seed = int(value)
+
+
+def check_generation(rollout: RolloutConfig, layout: ParallelLayout) -> None:
+    """The actor's generation layout (rollout.tp, rollout.ep) against its training layout: a generation shard is
+    regrouped from whole training shards (and expert blocks). ValueError names the options; the trainer's plan
+    runs the same check."""
+    if rollout.ep > 1:
+        try:
+            check_generation_layout(layout, GenerationLayout(tp=rollout.tp, ep=rollout.ep))
+        except LayoutError as exc:
+            raise ValueError(f"rollout.ep={rollout.ep}: {exc}".replace("--gen-ep", "rollout.ep")
+                             .replace("--train-ep", "actor.parallel.ep")) from None
+    if layout.tp % rollout.tp or rollout.tp > layout.tp:
+        raise ValueError(f"rollout.tp={rollout.tp} must divide actor.parallel.tp={layout.tp} (a generation shard is "
+                         f"regrouped from whole training shards); choose rollout.tp in {divisors(layout.tp)}")
 
 
 def _per_token(advantages: Any, mask: torch.Tensor) -> torch.Tensor:

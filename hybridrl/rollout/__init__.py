@@ -14,6 +14,8 @@ from typing import Any
 from hybridrl.config import RolloutConfig
 from hybridrl.rollout.base import (GeneratedSequence, RolloutEngine, SamplingParams, SamplingParamsError, TokenIds,
                                    assemble_batch, validate_prompts)
+from hybridrl.rollout.native import NativeRolloutEngine
+from hybridrl.rollout.vllm_engine import VllmRolloutEngine, require_vllm
 
 ENGINES = ("native", "vllm")
 
@@ -30,8 +32,6 @@ def check_engine_config(rollout: RolloutConfig) -> str:
         raise ValueError(f"rollout.pp={rollout.pp}: generation pipeline parallelism is not supported; "
                          f"set rollout.pp=1")
     if rollout.engine == "vllm":
-        from hybridrl.rollout.vllm_engine import require_vllm  # vLLM's import is slow: only when it is used
-
         require_vllm()
     return rollout.engine
 
@@ -59,14 +59,12 @@ def build_rollout_engine(rollout: RolloutConfig, *, model: Any = None, model_pat
     if engine == "native":
         if model is None:
             raise ValueError("rollout.engine=native needs the generation-layout model (model=...)")
-        from hybridrl.rollout.native import NativeRolloutEngine  # megatron: only in worker processes
 
         return NativeRolloutEngine(model, max_model_len=max_model_len, vocab_size=vocab_size,
                                    max_batch_size=rollout.max_batch_size, pad_token_id=tokens.pad,
                                    record_routing=rollout.routing_mode != "off")
     if model_path is None:
         raise ValueError("rollout.engine=vllm needs model_path: a Hugging Face folder with the initial weights")
-    from hybridrl.rollout.vllm_engine import VllmRolloutEngine  # vLLM's import is slow: only when it is used
 
     return VllmRolloutEngine(model_path, rollout.vllm, dtype=dtype, max_model_len=max_model_len, tp=rollout.tp,
                              pad_token_id=tokens.pad, tp_groups=tp_groups)

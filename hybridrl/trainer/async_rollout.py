@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hybridrl.controller import WorkerDiedError
+
 logger = logging.getLogger(__name__)
 
 
@@ -98,8 +100,6 @@ class RolloutQueue:
 
     def after_update(self) -> dict[str, float]:
         """Send the updated weights (the replicas take them before the next queued generation)."""
-        from hybridrl.controller import WorkerDiedError
-
         start = time.perf_counter()
         try:
             self.replicas.sync(in_flight=self.ahead)

@@ -33,11 +33,12 @@ from hybridrl.controller.interrupts import Interrupted
 from hybridrl.data.dataset import prompt_dataset_from_config
 from hybridrl.data.loader import StatefulPromptLoader
 from hybridrl.data.tokenizer import tokenizer_for
+from hybridrl.models.config import CheckpointError
 from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner, episode_metrics
 from hybridrl.trainer.async_rollout import RolloutQueue
-from hybridrl.trainer.dynamic_sampling import refill
 from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
                                          set_rng_states)
+from hybridrl.trainer.dynamic_sampling import refill
 from hybridrl.trainer.plan import RunPlan
 from hybridrl.trainer.roles import start_roles, start_rollout_replicas
 from hybridrl.trainer.timers import StageTimer
@@ -47,10 +48,6 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """A step produced NaN/inf (loss, gradients or rewards) and trainer.on_nan=stop."""
-
-
-class RestartsExhaustedError(RuntimeError):
-    """A worker died and trainer.max_restarts recoveries were already used."""
 
 
 # Roles whose weights and optimizer change during training: the ones a checkpoint holds.
@@ -130,7 +127,7 @@ class RLTrainer:
                                      lambda seed: [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if greedy else []),
                                      self._step_seed)
 
-    def _restart_rollout_pool(self) -> None:
+    def restart_rollout_pool(self) -> None:
         """New replicas on a fresh rollout pool, the actor's current weights sent to them; the trainer's state (the
         actor, the optimizer, the step) is untouched; the batches in flight are drawn again."""
         name = self.plan.roles["rollout"].pool
@@ -397,8 +394,6 @@ class RLTrainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore the trained roles (at their current layouts) and the driver state from a checkpoint."""
-        from hybridrl.models.config import CheckpointError
-
         path = Path(path)
         state = load_driver_state(path)
         if state.get("algorithm") != self.cfg.algorithm.name:
@@ -414,96 +409,3 @@ class RLTrainer:
             self.roles["rollout"].sync()
         self.load_driver_state(state)
         logger.info("resumed from %s at step %d", path, self.step)
-
-    # ---- the run -----------------------------------------------------------------------------------------
-    def fit(self, tracker: Any, checkpoints: CheckpointManager | None = None) -> list[dict[str, float]]:
-        history = []
-        save_every = self.cfg.trainer.save_every
-        skipped_in_a_row = 0
-        while self.step < self.cfg.trainer.steps:
-            metrics = self.train_step()
-            skipped_in_a_row = 0 if step_was_finite(metrics) else skipped_in_a_row + 1
-            tracker.log(self.step, metrics)
-            if self.cfg.trainer.log_every and self.step % self.cfg.trainer.log_every == 0:
-                line = tracker.show(self.step, metrics) if self.cfg.trainer.progress_bar else \
-                    tracker.console_line(self.step, metrics)
-                if not self.cfg.trainer.progress_bar:
-                    print(line, flush=True)
-            history.append(metrics)
-            if checkpoints is not None and save_every and self.step % save_every == 0:
-                if step_was_finite(metrics):
-                    self.save_checkpoint(checkpoints)
-                else:  # a poisoned step: keep the previous checkpoint as the one to come back to
-                    logger.warning("step %d was not finite: no checkpoint written for it", self.step)
-            if skipped_in_a_row >= self.cfg.trainer.max_skipped_steps:  # nothing is being learned any more
-                raise NonFiniteError(f"{skipped_in_a_row} steps in a row (up to step {self.step}) were not finite "
-                                     f"and skipped (trainer.max_skipped_steps={self.cfg.trainer.max_skipped_steps}); "
-                                     f"check the reward function and lower actor.optim.lr")
-        return history
-
-    def run(self, tracker: Any, run_dir: str | Path, resume_from: str | Path | None = None) -> list[dict[str, float]]:
-        """Start the roles, resume from `resume_from`, train to trainer.steps with checkpoints every
-        trainer.save_every steps, and recover from dead workers (tear down, restart, reload the latest
-        checkpoint) up to trainer.max_restarts times. The caller closes the trainer."""
-        from hybridrl.controller.watchdog import WATCHDOG
-
-        WATCHDOG.configure(self.cfg.trainer.hang_timeout_s, run_dir)
-        try:
-            return self._run_with_restarts(tracker, run_dir, resume_from)
-        finally:
-            WATCHDOG.configure(None, None)
-
-    def _run_with_restarts(self, tracker: Any, run_dir: str | Path, resume_from: str | Path | None) -> list[dict]:
-        from hybridrl.controller import WorkerDiedError, WorkerHungError
-
-        tr = self.cfg.trainer
-        checkpoints = CheckpointManager(run_dir, tr.keep_last)
-        self.start()
-        initial = self.driver_state()
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
-            tracker.truncate_after(self.step)
-            checkpoints.discard_after(self.step)
-        restarts = 0
-        while True:
-            try:
-                return self.fit(tracker, checkpoints)
-            except WorkerDiedError as exc:  # WorkerHungError too: the watchdog stopped a call without progress
-                restarts += 1
-                what = "hung" if isinstance(exc, WorkerHungError) else "died"
-                if restarts <= tr.max_restarts and exc.role == "rollout" and self.rollouts is not None:
-                    logger.warning("rollout pool worker %s during step %d (rank %s: %s); restart %d/%d of the rollout "
-                                   "pool only, from the actor's current weights", what, self.step + 1, exc.rank,
-                                   exc.cause, restarts, tr.max_restarts)
-                    self._restart_rollout_pool()
-                    continue
-                if restarts > tr.max_restarts:
-                    raise RestartsExhaustedError(
-                        f"a worker {what} at step {self.step + 1} ({exc.role} rank {exc.rank}: {exc.cause}) and "
-                        f"trainer.max_restarts={tr.max_restarts} restart(s) are used up; raise trainer.max_restarts "
-                        f"or resume later with trainer.resume=auto") from exc
-                logger.warning("worker %s during step %d (%s rank %s: %s); restart %d/%d from the last checkpoint",
-                               what, self.step + 1, exc.role, exc.rank, exc.cause, restarts, tr.max_restarts)
-                self.close()
-                self.start()
-                latest = checkpoints.latest()
-                if latest is not None:
-                    self.load_checkpoint(latest)
-                else:  # nothing saved yet: the fresh roles hold the initial weights; rewind the driver too
-                    self.load_driver_state(initial)
-                tracker.truncate_after(self.step)
-
-
-def step_was_finite(metrics: dict[str, float]) -> bool:
-    """False for a skipped step or one with NaN/inf metrics or a skipped optimizer step: never checkpointed."""
-    if metrics.get("skipped"):
-        return False
-    if metrics.get("actor/update_ok", 1.0) < 1:
-        return False
-    return all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
-
-
-def run_dir_for(cfg: Any) -> Path:
-    from hybridrl.trainer.tracking import new_run_dir
-
-    return new_run_dir(cfg.trainer.run_dir, cfg.algorithm.name)

@@ -29,8 +29,8 @@ from hybridrl.models import load_hf_config
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.families import ModelDims
 from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
-from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
+from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
 from hybridrl.workers.policy import PolicyLossConfig
@@ -305,10 +305,10 @@ def _resolve_rollout(cfg: Any, plan: RunPlan, max_len: int) -> RolloutConfig:
     _check_routing_record(roll, actor.model_path)
     _plan_rollout_pool(cfg, plan, roll)
     _check_generation_experts(roll, plan)
-    _check(actor.layout.tp % roll.tp == 0 and roll.tp <= actor.layout.tp,
-           f"rollout.tp={roll.tp} must divide actor.parallel.tp={actor.layout.tp} (a generation shard is regrouped "
-           f"from whole training shards); choose rollout.tp in "
-           f"{[d for d in range(1, actor.layout.tp + 1) if actor.layout.tp % d == 0]}")
+    try:
+        check_generation(roll, actor.layout)  # the short API's Actor checks the same
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return roll
 
 
@@ -409,8 +409,8 @@ def _plan_rollout_pool(cfg: Any, plan: RunPlan, roll: RolloutConfig) -> None:
 
 
 def _check_generation_experts(roll: RolloutConfig, plan: RunPlan) -> None:
-    """rollout.ep > 1: a mixture-of-experts actor whose ep it divides (expert_tp = tp), the native engine, the
-    hybrid reshard when colocated (a pool of its own: check_rollout_pool). Multi-turn episodes keep the
+    """rollout.ep > 1: a mixture-of-experts actor (its layout: roles.actor.check_generation), the native engine,
+    the hybrid reshard when colocated (a pool of its own: check_rollout_pool). Multi-turn episodes keep the
     replicas in step by themselves: every turn's generate call reaches every rank (a replica without rows
     decodes a placeholder in lockstep)."""
     if roll.ep == 1:
@@ -419,11 +419,6 @@ def _check_generation_experts(roll: RolloutConfig, plan: RunPlan) -> None:
     _check(_experts_of(actor.model_path) is not None,
            f"rollout.ep={roll.ep} splits the experts over generation replicas; the actor's model {actor.model_path} "
            f"has no experts: set rollout.ep=1")
-    try:
-        check_generation_layout(actor.layout, GenerationLayout(tp=roll.tp, ep=roll.ep))
-    except LayoutError as exc:
-        raise ConfigError(f"rollout.ep={roll.ep}: {exc}".replace("--gen-ep", "rollout.ep")
-                          .replace("--train-ep", "actor.parallel.ep")) from None
     _check(roll.engine == "native",
            f"rollout.ep={roll.ep}: generation expert parallelism runs in the native engine (rollout.engine resolved "
            f"to {roll.engine}): set rollout.engine=native, or rollout.ep=1")

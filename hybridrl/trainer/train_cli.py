@@ -101,7 +101,7 @@ def _resume_target(cfg) -> tuple[object, object]:
     from pathlib import Path
 
     from hybridrl.trainer.checkpoint import CKPT_DIR, CheckpointNotFoundError, resolve_resume
-    from hybridrl.trainer.loop import run_dir_for
+    from hybridrl.trainer.run import run_dir_for
 
     tr = cfg.trainer
     if tr.resume not in ("never", "auto") and tr.run_dir is None:
@@ -156,6 +156,7 @@ def _interrupted(exc, steps_done: int, run_dir) -> str:
 def run(args: argparse.Namespace) -> int:
     from hybridrl.controller.interrupts import stop_on_signals
     from hybridrl.trainer.loop import RLTrainer
+    from hybridrl.trainer.run import run_training
     from hybridrl.trainer.plan import plan_run
     from hybridrl.trainer.run_lock import lock_run_dir
     from hybridrl.trainer.tracking import MetricsTracker
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         trainer.start_ray()  # Ray installs its own SIGTERM handler; ours goes on top of it
         with stop_on_signals():
-            trainer.run(tracker, run_dir, resume_from)
+            run_training(trainer, tracker, run_dir, resume_from)
     except BaseException as exc:  # noqa: BLE001 - known stops become one line below, the rest is re-raised
         failure = exc
     finally:
@@ -228,7 +229,8 @@ def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | 
     from hybridrl.controller import WorkerError
     from hybridrl.controller.interrupts import Interrupted
     from hybridrl.models.config import CheckpointError
-    from hybridrl.trainer.loop import NonFiniteError, RestartsExhaustedError
+    from hybridrl.trainer.loop import NonFiniteError
+    from hybridrl.trainer.run import RestartsExhaustedError
     from hybridrl.envs.base import EnvironmentStepError
     from hybridrl.workers.rule_reward import RewardFunctionError
 

@@ -18,6 +18,12 @@ from typing import Any
 from hybridrl.algorithms import loss_agg
 from hybridrl.config import RoleConfig, RolloutConfig
 from hybridrl.controller import Dispatch, Worker, register
+from hybridrl.hybrid_engine.bridge import open_bridge, send_shards
+from hybridrl.hybrid_engine.engine import HybridEngine
+from hybridrl.hybrid_engine.megatron_adapter import training_params
+from hybridrl.hybrid_engine.reshard import ShardMeta
+from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
+from hybridrl.parallel.generation import GenerationLayout
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
@@ -47,9 +53,6 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     def __init__(self, role: RoleConfig, rollout: RolloutConfig, tokens: TokenIds, seed: int = 1) -> None:
         """role: the actor's settings (model.path a local folder); rollout: how it generates, with the engine and
         max_model_len resolved by the driver; tokens: the tokenizer's pad id."""
-        from hybridrl.hybrid_engine.engine import HybridEngine  # megatron: only in worker processes
-        from hybridrl.parallel.generation import GenerationLayout
-
         self.model = MegatronModel.for_role(role, self.layout, seed=seed)
         self.rollout = rollout
         self.model.routing_mode = None if rollout.routing_mode == "off" else rollout.routing_mode
@@ -139,7 +142,6 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         if self.rollout.engine == "native":
             self.engine.load_weights(None)  # the generation model already holds the new weights
             return
-        from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
 
         self.engine.load_weights(iter_full_hf_tensors(gen_model, self.model.hf_config))
 
@@ -147,17 +149,12 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def bridge_metas(self) -> dict:
         """What this rank's training shards look like (the receivers size their buffers from it)."""
-        from hybridrl.hybrid_engine.reshard import ShardMeta
-        from hybridrl.hybrid_engine.megatron_adapter import training_params
-
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
         return {"metas": [ShardMeta.of(p) for p in params],
                 "padded_vocab_size": self.model.inner.hybridrl_args.padded_vocab_size}
 
     @register(Dispatch.ONE_TO_ALL)
     def bridge_open(self, host: str, port: int, size: int, timeout_s: float) -> None:
-        from hybridrl.hybrid_engine.bridge import open_bridge
-
         self._sends = []  # messages to a previous rollout pool (dead, when it is replaced) are abandoned
         self._bridge = open_bridge(host, port, self.rank, size, timeout_s, next(self.model.model.parameters()).device)
 
@@ -166,10 +163,6 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         """Start sending this rank's shards to the rollout ranks that need them (packed copies: training goes on
         at once); at most `in_flight` syncs' copies are held, the oldest waited for beyond that (the replicas take
         a sync only after the generations queued before it). Returns the payload bytes."""
-        from hybridrl.hybrid_engine.bridge import send_shards
-        from hybridrl.hybrid_engine.reshard import ShardMeta
-        from hybridrl.hybrid_engine.megatron_adapter import training_params
-
         while len(self._sends) >= max(1, in_flight):
             self._sends.pop(0).wait()
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
@@ -214,8 +207,6 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:
         """Write the current policy as a Hugging Face folder (collective; rank 0 writes)."""
-        from hybridrl.models.checkpoint_hf import export_hf_checkpoint
-
         export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
 
 

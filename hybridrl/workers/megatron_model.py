@@ -15,13 +15,22 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from hybridrl.config import MoeConfig, OptimConfig, RoleConfig
 from hybridrl.controller.dispatch import Dispatch, register
+from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+from hybridrl.models.builder import shares_rows, unwrap
+from hybridrl.models.config import CheckpointError
+from hybridrl.models.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
+from hybridrl.models.families import ModelDims
+from hybridrl.models.routing_replay import ExpertRouting
+from hybridrl.parallel.distributed import device
 from hybridrl.protocol import Batch
+from hybridrl.workers.moe_metrics import RoutingTracker
 from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
 
 logger = logging.getLogger(__name__)
@@ -31,8 +40,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _router_losses(hf_config: Any, moe: MoeConfig) -> dict[str, Any]:
     """Megatron settings of the routers' auxiliary losses (models with experts; none by default)."""
-    from hybridrl.models.families import ModelDims
-
     if ModelDims.from_hf(hf_config).moe is None:
         return {}
     aux, z = float(moe.aux_loss_coef), float(moe.z_loss_coef)
@@ -61,9 +68,6 @@ class MegatronModel:
                  max_tokens_per_micro_batch: int | None = None, optim: OptimConfig | None = None,
                  moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234) -> None:
         from megatron.core import parallel_state
-
-        from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
-        from hybridrl.parallel.distributed import device
 
         if dtype not in DTYPES:
             raise ValueError(f"model dtype={dtype!r}; choose one of {sorted(DTYPES)}")
@@ -97,8 +101,6 @@ class MegatronModel:
         if optim is not None:
             self._make_trainable(optim)
             if model.config.num_moe_experts:
-                from hybridrl.workers.moe_metrics import RoutingTracker
-
                 self.routing = RoutingTracker(model)
         self.steps = 0
 
@@ -113,8 +115,8 @@ class MegatronModel:
                    sequence_parallel=layout.sequence_parallel, seed=seed)
 
     def _make_trainable(self, optim: OptimConfig) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
-            finalize_model_grads
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -146,9 +148,6 @@ class MegatronModel:
         expert parallelism the data-parallel replicas whose MoE layers exchange tokens agree on the count."""
         from megatron.core import parallel_state
 
-        from hybridrl.models.builder import shares_rows
-        from hybridrl.parallel.distributed import device
-
         options = dict(micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch,
                        share_rows=shares_rows(), uniform=parallel_state.get_pipeline_model_parallel_world_size() > 1,
                        device=device())
@@ -169,8 +168,6 @@ class MegatronModel:
 
     def _run(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from hybridrl.models.routing_replay import ExpertRouting
 
         experts = ExpertRouting.of(self.inner) if "routed_experts" in micro_batches[0] else None
 
@@ -291,8 +288,6 @@ class MegatronModel:
     def routing_mismatch(self) -> float:
         """Share of recorded (token, MoE layer) pairs the forwards since the last call routed to other experts
         than the rollout (a collective over the role's ranks); the counts start again."""
-        from hybridrl.models.routing_replay import ExpertRouting
-
         experts = ExpertRouting.of(self.inner)
         share = experts.mismatch()
         experts.reset_counts()
@@ -317,12 +312,7 @@ class MegatronModel:
         weights that loads at any TP/PP, see models/dist_ckpt.py), out_dir/optimizer (the optimizer's sharded
         state in model space, so it reshards too, plus the LR scheduler and step count) and out_dir/rng (this
         rank's RNG states, restored only at the same layout)."""
-        from pathlib import Path
-
         from megatron.core import dist_checkpointing
-
-        from hybridrl.models.builder import unwrap
-        from hybridrl.models.dist_ckpt import save_dist_checkpoint
 
         root = Path(out_dir)
         rank = torch.distributed.get_rank()
@@ -343,13 +333,7 @@ class MegatronModel:
 
     def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
         """Collective: the inverse of save_checkpoint, at this model's (possibly different) layout."""
-        from pathlib import Path
-
         from megatron.core import dist_checkpointing
-
-        from hybridrl.models.builder import unwrap
-        from hybridrl.models.config import CheckpointError
-        from hybridrl.models.dist_ckpt import load_dist_checkpoint
 
         root = Path(ckpt_dir)
         load_dist_checkpoint(self.model, root / "model")

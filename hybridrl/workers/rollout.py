@@ -24,8 +24,13 @@ import torch
 
 from hybridrl.config import RolloutConfig
 from hybridrl.controller import Dispatch, Worker, register
+from hybridrl.hybrid_engine.bridge import PendingReceive, open_bridge
+from hybridrl.hybrid_engine.megatron_adapter import load_generation_weights
+from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
+from hybridrl.rollout.base import GeneratedSequence, assemble_batch, normalise_prompts, validate_prompts
 from hybridrl.workers.actor import replica_params
 from hybridrl.workers.megatron_model import DTYPES
 
@@ -36,8 +41,6 @@ class RolloutWorker(Worker):
         """model_path: the actor's initial weights (a local HF folder); dtype: the actor's; rollout: engine and
         max_model_len resolved by the driver, rollout.partial for partial rollouts; padded_vocab_size: the
         actor's padded vocabulary (it depends on the training TP), so its shards fit this model."""
-        from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights  # megatron: workers only
-
         self.path, self.rollout = model_path, rollout
         self.hf_config = load_hf_config(model_path)
         self.dtype = DTYPES[dtype]
@@ -59,8 +62,6 @@ class RolloutWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def bridge_open(self, host: str, port: int, size: int, offset: int, timeout_s: float, plan: list, metas: dict,
                     train_layout: Any) -> None:
-        from hybridrl.hybrid_engine.bridge import open_bridge
-
         self._bridge = open_bridge(host, port, offset + self.rank, size, timeout_s,
                                    next(self.model.parameters()).device)
         self._plan, self._metas, self._train_layout = plan, metas, train_layout  # the same messages every sync
@@ -73,8 +74,6 @@ class RolloutWorker(Worker):
         self._post_receives(version)
 
     def _post_receives(self, version: int) -> None:
-        from hybridrl.hybrid_engine.bridge import PendingReceive
-
         while self._posted < version:
             if self._incoming is not None:  # one version's buffers at a time: the older one goes in first
                 self._apply()
@@ -94,8 +93,6 @@ class RolloutWorker(Worker):
         return dict(self.last_sync)
 
     def _apply(self) -> None:
-        from hybridrl.hybrid_engine.megatron_adapter import load_generation_weights
-
         start = time.perf_counter()
         tensors, received = self._incoming.assemble()
         self._incoming = None
@@ -103,7 +100,6 @@ class RolloutWorker(Worker):
         if self.rollout.engine == "native":
             self.engine.load_weights(None)  # the native engine reads the model's parameters: drop the KV cache
         else:  # vLLM holds its own copy under HF names: full tensors, gathered over this replica's TP ranks
-            from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
 
             self.engine.load_weights(iter_full_hf_tensors(self.model, self.hf_config))
         self.version = self._posted
@@ -155,9 +151,6 @@ class RolloutWorker(Worker):
 
     def _generate_partial(self, share: Batch, params: Any) -> Batch:
         """Generation that takes new weights as soon as they are sent: interrupted rows resume with them."""
-        from hybridrl.rollout.base import (GeneratedSequence, assemble_batch, normalise_prompts,
-                                           validate_prompts)
-
         engine = self.engine
         prompts = validate_prompts(normalise_prompts(share), engine.max_model_len, params.max_new_tokens,
                                    engine.vocab_size)
