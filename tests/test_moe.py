@@ -777,7 +777,7 @@ def test_expert_tp_checkpoint_resumes_exactly_and_on_another_expert_grid(ray_two
     distributed checkpoint puts them, and step 3's samples and loss equal the uninterrupted run's."""
     import json
 
-    from hybridrl.trainer.train_cli import run
+    from hybridrl.cli.train import run
 
     config = Path(__file__).resolve().parent.parent / "configs" / "grpo_moe_tiny.yaml"
     grid = ["actor.parallel.tp=2", "actor.parallel.ep=2", "actor.parallel.expert_tp=1",
