@@ -233,6 +233,9 @@ class HybridRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
+# the config section of each role whose name differs from it (critics share `critic:`)
+ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic"}
+
 # options that moved: old key -> its new home (an old config gets a one-line pointer, not a schema error)
 MOVED_OPTIONS = {"reward.model": "reward_model.model", "reward.cost_model": "cost_model.model"}
 

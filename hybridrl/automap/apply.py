@@ -35,9 +35,8 @@ def apply_auto_map(cfg: Any) -> dict:
     import hybridrl.algorithms  # noqa: F401
     from hybridrl.algorithms.registry import get_algorithm
     from hybridrl.automap.cost import Workload
-    from hybridrl.config import ConfigError
+    from hybridrl.config import ROLE_SECTIONS, ConfigError
     from hybridrl.models.tiny import resolve_model_path
-    from hybridrl.trainer.plan import ROLE_SECTIONS
 
     alg, roll, data, res = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources
     try:

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from hybridrl.automap.search import Mapper, Mapping, make_problem, mapping_json
+from hybridrl.config import ROLE_SECTIONS
 
 
 def _workload(args: argparse.Namespace, spec):
@@ -87,8 +88,6 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
         raise ValueError("the best mapping places pools on whole nodes, but hybridrl's ResourcePool spreads every "
                          "pool over all resources.nodes; rerun with --execution trainer to search the mappings "
                          "hybridrl train runs")
-    from hybridrl.trainer.plan import ROLE_SECTIONS
-
     work, roles = report["workload"], best["roles"]
     tokens = work["prompt_len"] + work["response_len"]
     sequences = work["prompts"] * work["samples_per_prompt"]

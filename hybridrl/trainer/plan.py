@@ -14,14 +14,12 @@ from typing import Any
 from hybridrl.algorithms.loss_agg import check_loss_agg
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
-from hybridrl.config import ConfigError
+from hybridrl.config import ROLE_SECTIONS, ConfigError
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_POOL = "default"
-# the config section of each role whose name differs from it (critics share `critic:`)
-ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic"}
 
 
 @dataclass
