@@ -267,7 +267,7 @@ def plan_run(cfg: Any) -> RunPlan:
     from hybridrl.hybrid_engine.plan import STRATEGIES
     from hybridrl.algorithms.kl_control import KL_CONTROLLER_TYPES
 
-    from hybridrl.config_checks import check_values
+    from hybridrl.trainer.config_checks import check_values
 
     check_values(cfg)  # each option's own value; below: how they fit together
     alg, roll, data, res, tr = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources, cfg.trainer
