@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridrl.cli import main as cli_main
+from hybridrl.cli.convert import DTYPE_NAMES
 from hybridrl.models import convert
 from hybridrl.models.config import CheckpointError, rope_settings, transformer_config_from_hf
 from hybridrl.models.families import UnsupportedModelError, family_for
@@ -158,3 +159,8 @@ def test_plan_accepts_good_input(tiny, tmp_path):
         convert.plan("hf", "mcore", str(tiny), str(tmp_path / "out"), tp=0)
     with pytest.raises(CheckpointError, match="does not exist"):
         convert.plan("hf", "mcore", str(tmp_path / "nope"), str(tmp_path / "out"))
+
+
+def test_convert_command_offers_the_conversions_dtypes():
+    """cli/convert.py names the dtypes itself (models/convert.py imports torch, `hybridrl --help` does not)."""
+    assert sorted(DTYPE_NAMES) == sorted(convert.DTYPES)

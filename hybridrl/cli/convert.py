@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridrl.models.config import CheckpointError
-from hybridrl.models.convert import DTYPES, FORMATS, ConvertError, convert, plan
-from hybridrl.models.families import UnsupportedModelError
 from hybridrl.parallel.layout import LayoutError
-from hybridrl.trainer.checkpoint import CheckpointNotFoundError, actor_model_dir
+
+FORMATS = ("hf", "mcore", "ckpt")  # ckpt: a `hybridrl train` checkpoint folder (source only)
+# models/convert.py's DTYPES, by name: that module imports torch, which `hybridrl --help` does without
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-tp", type=int, default=None, help="the experts' tensor-parallel size, dividing "
                         "--tp or a multiple of it (default: --tp); below --tp the expert-parallel ranks include TP "
                         "ranks, above it an expert is split over ranks of several DP replicas")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                         help="parameter dtype (auto: the HF config's dtype, else float32)")
     parser.add_argument("src", help="source folder")
     parser.add_argument("dst", help="destination folder (must not exist or be empty)")
@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _actor_checkpoint(folder: str) -> str:
     """The actor's Megatron checkpoint inside a training checkpoint (RUN/ckpt/step_N; trainer/checkpoint.py)."""
+    # start-up time: torch (see run)
+    from hybridrl.models.config import CheckpointError
+    from hybridrl.trainer.checkpoint import CheckpointNotFoundError, actor_model_dir
+
     try:
         return str(actor_model_dir(folder))
     except CheckpointNotFoundError as exc:
@@ -44,6 +48,11 @@ def _actor_checkpoint(folder: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # start-up time: these import torch, which every `hybridrl` command would load with the parser otherwise
+    from hybridrl.models.config import CheckpointError
+    from hybridrl.models.convert import ConvertError, convert, plan
+    from hybridrl.models.families import UnsupportedModelError
+
     try:
         job = plan(args.source_format, args.target_format, args.src, args.dst, args.tp, args.pp, args.dtype, args.ep,
                    getattr(args, "expert_tp", None), actor_checkpoint=_actor_checkpoint)

@@ -31,7 +31,6 @@ from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("hf", "mcore", "ckpt")  # ckpt: a `hybridrl train` checkpoint folder (source only)
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
