@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hybridrl.automap.cost import Workload
+from hybridrl.automap.hardware import gpu
 from hybridrl.automap.search import Mapper, Mapping, make_problem, mapping_json
 from hybridrl.config import ROLE_SECTIONS
 
@@ -15,8 +17,6 @@ from hybridrl.config import ROLE_SECTIONS
 def _workload(args: argparse.Namespace, spec):
     """The step's shape. The trainer runs a separate old-log-prob pass unless the update is exactly on-policy
     and the KL (if any) is a loss term (trainer/loop.py)."""
-    from hybridrl.automap.cost import Workload
-
     n = args.n or (1 if spec.min_samples_per_prompt <= 1 else 4)
     off_policy = args.mini_batches * args.epochs > 1
     return Workload(prompts=args.batch, prompt_len=args.prompt_len, response_len=args.response_len, samples=n,
@@ -26,9 +26,10 @@ def _workload(args: argparse.Namespace, spec):
 
 def build_report(args: argparse.Namespace) -> dict:
     """Run the search for the CLI's arguments; the report `--json` prints."""
-    import hybridrl.algorithms  # noqa: F401
+    # start-up time: the registry imports torch (its estimators); every `hybridrl` command imports this
+    # module with its parser (cli/plan.py); only `plan --auto` and resources.auto_map search
+    import hybridrl.algorithms  # noqa: F401  (registers the built-in algorithms)
     from hybridrl.algorithms.registry import get_algorithm
-    from hybridrl.automap.hardware import gpu
 
     if not args.gpus or args.gpus < 1:
         raise ValueError("--auto needs --gpus N (the devices to map onto)")

@@ -110,6 +110,8 @@ def load_hf_config(model: str):
         class_name, kwargs = MOE_PRESETS[model]
         return getattr(transformers, class_name)(**kwargs, tie_word_embeddings=False)
     if os.path.isdir(model):
+        # start-up time: hybridrl.models imports torch, and every `hybridrl` command imports this module with
+        # its parser (cli/plan.py)
         from hybridrl.models.config import load_hf_config as load_folder
 
         return load_folder(model)

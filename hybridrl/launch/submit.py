@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from hybridrl.bundled import IMPORT_ROOT, bundled_dir
+from hybridrl.config import ConfigError, find_config, load_config
 from hybridrl.launch.slurm_query import SlurmRequestError, job_state
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ def _train_command(args: argparse.Namespace) -> JobCommand:
     """`hybridrl train CONFIG overrides...` for the job, with the config checked against the request:
     every resource pool spans all --nodes with the same number of devices on each (one Ray "GPU" per
     device), and the pools fit into --nodes x --gpus-per-node."""
-    from hybridrl.config import ConfigError, find_config, load_config
-
     try:
         args.config = str(find_config(args.config))  # a path, or a bundled config by name
     except ConfigError as exc:
