@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from hybridrl.envs.bundled import CharsetTurnsEnv
-from hybridrl.models.reference import hf_reference
 from hybridrl.models.tiny import create_tiny_model
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
+
+from reference_model import hf_reference  # tests/: transformers' outputs in a clean process
 
 WORLD = 4
 # Megatron's MoE layers need sequence parallelism beside TP in training
