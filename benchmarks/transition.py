@@ -51,7 +51,7 @@ MOE_LAYOUTS = {
 }
 H100_HARDWARE = Hardware(name="8 x H100 SXM per node, NVLink 900 GB/s, 8 x 400 Gb/s InfiniBand per node",
                          gpus_per_node=8, nvlink_GBps=900.0, inter_node_Gbps=3200.0)
-# NeMo-RL's direct shard-to-shard refit on H100 (../shared/FACTS.md: newer anchors for weight resharding)
+# NeMo-RL's direct shard-to-shard refit on H100, as NeMo-RL reports it (a newer anchor for weight resharding)
 NEMO_RL_REFIT_SECONDS = {"qwen3-30b-a3b": "0.74-1.0", "deepseek-v3": "2.4-2.8"}
 
 

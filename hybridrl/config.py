@@ -309,6 +309,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def apply_algorithm_defaults(cfg: DictConfig) -> None:
     """Fill the options the user left unset (None) with the algorithm's registry defaults, so the resolved
     config (and --print-config) shows what runs. An unknown algorithm is left for plan_run to refuse."""
+    # the algorithms import torch (~2 s): only when a config is loaded, not for every command's parser
     from hybridrl.algorithms.registry import ALGORITHMS, import_algorithm_module
 
     if cfg.algorithm.module:

@@ -24,7 +24,7 @@ need = ["hybridrl/_bundled/configs/remax_tiny.yaml", "hybridrl/_bundled/configs/
         "hybridrl/_bundled/configs/gpu/moe/grpo_qwen3_30b_a3b_16gpu.yaml", "hybridrl/_bundled/configs/grpo_moe_tiny.yaml",
         "hybridrl/_bundled/configs/remax_async_tiny.yaml", "hybridrl/_bundled/launch/slurm/hybridrl.sbatch",
         "hybridrl/_bundled/launch/ray/start_head.sh", "hybridrl/assets/tokenizer/tokenizer.json",
-        "hybridrl/bundled.py", "hybridrl/launch/submit_cli.py"]
+        "hybridrl/bundled.py", "hybridrl/cli/submit.py", "hybridrl/cli/__main__.py"]
 missing = [n for n in need if n not in names]
 assert not missing, f"the wheel lacks {missing}"
 PY
@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 import hybridrl
 from hybridrl.bundled import bundled_dir, source_checkout
-from hybridrl.launch.submit_cli import DEFAULT_TEMPLATE
+from hybridrl.launch.submit import DEFAULT_TEMPLATE
 site = Path(sys.argv[1]).resolve()
 assert Path(hybridrl.__file__).resolve().is_relative_to(site), hybridrl.__file__
 assert bundled_dir("configs").is_relative_to(site) and DEFAULT_TEMPLATE.is_file() and DEFAULT_TEMPLATE.is_relative_to(site)

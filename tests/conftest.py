@@ -64,7 +64,7 @@ def llama_8_heads_logits(llama_8_heads):
     """(input_ids [2, 12], transformers' logits of llama_8_heads on them)."""
     import torch
 
-    from hybridrl.models.reference import hf_reference
+    from reference_model import hf_reference
 
     input_ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     return input_ids, hf_reference(llama_8_heads, input_ids).logits

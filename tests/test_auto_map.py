@@ -16,7 +16,7 @@ from hybridrl.automap.cost import ModelStats, Net, Workload, static_bytes
 from hybridrl.automap.hardware import GPUS, GiB
 from hybridrl.automap.pools import best_pool
 from hybridrl.automap.search import Mapper, make_problem
-from hybridrl.hybrid_engine import plan_cli
+from hybridrl.cli import plan as plan_cli
 from hybridrl.hybrid_engine.model_shapes import model_shapes
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent

@@ -73,7 +73,7 @@ def ray_cluster():
 
 def _trainer(overrides: list[str]):
     from hybridrl.config import load_config
-    from hybridrl.trainer.train_cli import DEFAULT_CONFIG
+    from hybridrl.cli.train import DEFAULT_CONFIG
     from hybridrl.trainer.loop import RLTrainer
     from hybridrl.trainer.plan import plan_run
 
@@ -88,7 +88,7 @@ def _tracker(run_dir: Path):
 
 
 def _cli(overrides: list[str], capsys=None) -> tuple[int, str]:
-    from hybridrl.trainer.train_cli import run
+    from hybridrl.cli.train import run
 
     rc = run(argparse.Namespace(config=None, overrides=COMMON + overrides, print_config=False))
     return rc, (capsys.readouterr().err if capsys is not None else "")
@@ -392,7 +392,7 @@ def test_checkpoint_exports_to_hf_with_the_trained_actors_logits(reference_run, 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.models.convert_cli import run as convert_run
+    from hybridrl.cli.convert import run as convert_run
 
     out = tmp_path / "hf"
     rc = convert_run(argparse.Namespace(source_format="ckpt", target_format="hf", tp=1, pp=1, ep=1, dtype="auto",
@@ -455,7 +455,7 @@ def test_resume_option_errors_are_clear(tmp_path):
 
 
 def test_bad_checkpoint_convert_requests_are_refused(tmp_path, capsys):
-    from hybridrl.models.convert_cli import run as convert_run
+    from hybridrl.cli.convert import run as convert_run
 
     def convert(src, target="hf") -> str:
         args = argparse.Namespace(source_format="ckpt", target_format=target, tp=1, pp=1, ep=1, dtype="auto",

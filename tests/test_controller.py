@@ -139,7 +139,7 @@ def test_bad_config_refused_before_start(ray_cluster):
         WorkerGroup(pool, ProbeWorker, layout=ParallelLayout(tp=2, dp=1))
     with pytest.raises(TypeError, match="must subclass"):
         WorkerGroup(pool, object)
-    assert pool._hosts is None and not pool._placement_groups  # nothing was started
+    assert pool._hosts is None and pool.layout is None and not pool._placement_groups  # nothing was started
     with pytest.raises(ResourcePoolError, match="Ray has 4 GPUs"):
         ResourcePool(devices=8).placement_groups()
 
@@ -185,6 +185,7 @@ def test_colocated_roles_share_processes_and_group(main_pool):
     layout = ParallelLayout(tp=2, dp=2)
     roles = create_colocated_worker_group(main_pool, {"actor": ProbeWorker, "ref": (ProbeWorker, (3,))}, layout)
     try:
+        assert main_pool.layout == layout  # what a role placed on the pool next must use
         actor, ref = roles["actor"].whoami(), roles["ref"].whoami()
         for a, r in zip(actor, ref):
             for key in ("pid", "cuda", "group", "master_port", "megatron"):

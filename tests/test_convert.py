@@ -8,9 +8,10 @@ import torch
 
 from hybridrl.cli import main as cli_main
 from hybridrl.models.families import LLAMA, QWEN2, fuse_qkv, split_qkv, tp_gather, tp_shard
-from hybridrl.models.reference import hf_reference
 from hybridrl.models.tiny import create_tiny_model, tiny_hf_config
 from hybridrl.parallel.layout import ParallelLayout
+
+from reference_model import hf_reference  # tests/: transformers' outputs in a clean process
 
 ATOL = 1e-4
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hybridrl.cli import main as cli_main
-from hybridrl.models import convert_cli
+from hybridrl.cli.convert import DTYPE_NAMES
+from hybridrl.models import convert
 from hybridrl.models.config import CheckpointError, rope_settings, transformer_config_from_hf
 from hybridrl.models.families import UnsupportedModelError, family_for
 from hybridrl.models.tiny import create_tiny_model, tiny_hf_config
@@ -152,9 +153,14 @@ def test_transformer_config_fields():
 
 
 def test_plan_accepts_good_input(tiny, tmp_path):
-    job = convert_cli.plan("hf", "mcore", str(tiny), str(tmp_path / "out"), tp=2, pp=2)
+    job = convert.plan("hf", "mcore", str(tiny), str(tmp_path / "out"), tp=2, pp=2)
     assert job.layout.world_size == 4 and job.head == "lm" and job.dtype == torch.float32
     with pytest.raises(LayoutError):
-        convert_cli.plan("hf", "mcore", str(tiny), str(tmp_path / "out"), tp=0)
+        convert.plan("hf", "mcore", str(tiny), str(tmp_path / "out"), tp=0)
     with pytest.raises(CheckpointError, match="does not exist"):
-        convert_cli.plan("hf", "mcore", str(tmp_path / "nope"), str(tmp_path / "out"))
+        convert.plan("hf", "mcore", str(tmp_path / "nope"), str(tmp_path / "out"))
+
+
+def test_convert_command_offers_the_conversions_dtypes():
+    """cli/convert.py names the dtypes itself (models/convert.py imports torch, `hybridrl --help` does not)."""
+    assert sorted(DTYPE_NAMES) == sorted(convert.DTYPES)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.models.reference import hf_reference
 from hybridrl.models.tiny import create_tiny_model
 from hybridrl.parallel.layout import ParallelLayout
+
+from reference_model import hf_reference  # tests/: transformers' outputs in a clean process
 
 WORLD = 4
 LAYOUTS = [ParallelLayout(tp=1, pp=1, dp=4), ParallelLayout(tp=2, pp=1, dp=2), ParallelLayout(tp=1, pp=2, dp=2),

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from hybridrl.envs.bundled import CharsetTurnsEnv
-from hybridrl.models.reference import hf_reference
 from hybridrl.models.tiny import create_tiny_model
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
+
+from reference_model import hf_reference  # tests/: transformers' outputs in a clean process
 
 WORLD = 4
 # Megatron's MoE layers need sequence parallelism beside TP in training
@@ -777,7 +778,7 @@ def test_expert_tp_checkpoint_resumes_exactly_and_on_another_expert_grid(ray_two
     distributed checkpoint puts them, and step 3's samples and loss equal the uninterrupted run's."""
     import json
 
-    from hybridrl.trainer.train_cli import run
+    from hybridrl.cli.train import run
 
     config = Path(__file__).resolve().parent.parent / "configs" / "grpo_moe_tiny.yaml"
     grid = ["actor.parallel.tp=2", "actor.parallel.ep=2", "actor.parallel.expert_tp=1",

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from hybridrl.hybrid_engine import plan_cli
+from hybridrl.cli import plan as plan_cli
 from hybridrl.hybrid_engine.model_shapes import LLAMA_PRESETS
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent

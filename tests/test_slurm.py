@@ -40,7 +40,7 @@ def submit(*args: str, timeout: float = 700) -> subprocess.CompletedProcess:
 
 def submit_in_process(capsys, *args: str) -> tuple[int, str, str]:
     """`hybridrl submit` without a new interpreter (which would import every subcommand)."""
-    from hybridrl.launch import submit_cli
+    from hybridrl.cli import submit as submit_cli
 
     parser = argparse.ArgumentParser()
     submit_cli.add_arguments(parser)

@@ -5,7 +5,7 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import ConfigError, load_config
-from hybridrl.trainer.train_cli import DEFAULT_CONFIG
+from hybridrl.cli.train import DEFAULT_CONFIG
 from hybridrl.trainer.plan import plan_run
 
 
@@ -96,7 +96,7 @@ def test_cpu_devices_beyond_the_machine_are_refused(capsys):
 
     import ray
 
-    from hybridrl.trainer.train_cli import cpu_device_limit
+    from hybridrl.cli.train import cpu_device_limit
 
     assert cpu_device_limit(2, 24) == 8 and cpu_device_limit(2, 8) == 4 and cpu_device_limit(64, 512) == 256
     assert cpu_device_limit(1, 2) == 2
@@ -129,7 +129,7 @@ def test_full_disk_is_named_with_exit_code_5(tmp_path):
     import traceback
 
     from hybridrl.controller import WorkerError
-    from hybridrl.trainer.train_cli import _outcome
+    from hybridrl.cli.train import _outcome
 
     try:
         with open("/dev/full", "w") as full:  # a real ENOSPC and its traceback

@@ -6,9 +6,9 @@ The trainer's run plan holds it (trainer/plan.py) and the trainer loop and the a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybridrl.algorithms.registry import AlgorithmSpec
-from hybridrl.config import AlgorithmConfig
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,10 @@ class StepNeeds:
         return self.reference and self.kl_mode == "loss"
 
 
-def step_needs(spec: AlgorithmSpec, alg: AlgorithmConfig, rows_per_step: int) -> StepNeeds:
-    """The step of algorithm `spec` with settings `alg` on `rows_per_step` sampled sequences (algorithm.mini_batch_size
-    must divide it: the plan checks that first)."""
+def step_needs(spec: AlgorithmSpec, alg: Any, rows_per_step: int) -> StepNeeds:
+    """The step of algorithm `spec` with settings `alg` (config.AlgorithmConfig: config.py reads this package to
+    fill in an algorithm's defaults, so no import back) on `rows_per_step` sampled sequences (the plan checks
+    first that algorithm.mini_batch_size divides it)."""
     kl_ever = alg.kl.coef > 0 or (alg.kl.type == "linear" and alg.kl.final_coef > 0)
     mini_batches = rows_per_step // alg.mini_batch_size if alg.mini_batch_size else 1
     return StepNeeds(reference=spec.uses_reference and kl_ever, kl_mode=alg.kl.mode or spec.default_kl_mode,

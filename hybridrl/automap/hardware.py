@@ -124,7 +124,8 @@ def cpu_calibrated(devices: int, cores: int | None = None, repeats: int = 5) -> 
     Devices are Ray worker processes sharing `cores` cores; each runs with cores // devices intra-op
     threads (hybridrl.controller.worker), so the calibration runs on one thread. Memory per device is an
     even share of half of the machine's RAM. Collectives are gloo over loopback TCP: latency and bandwidth
-    are assumed (200 us, 0.5 GB/s: FACTS.md measured a 64 MB all-reduce over 4 ranks in 0.2 s), not timed.
+    are assumed, not timed: 200 us and 0.5 GB/s (a 64 MB gloo all-reduce over 4 Ray workers on one machine
+    was measured at 0.2 s).
     """
     import torch
 

@@ -1,55 +1,22 @@
-"""`hybridrl plan --auto`: the device mapping the search picks, its estimates, and a config that runs it.
-
-    hybridrl plan --auto --model llama-70b --algorithm ppo --gpus 128 --gpu a100-80g [--nodes-of 8]
-        [--prompt-len 1024 --response-len 1024 --batch 1024] [--top 5] [--json] [--write-config F]
+"""What `hybridrl plan --auto` reports (the command is hybridrl/cli/plan.py): the device mapping the search
+picks, its estimates, and a config that runs it.
 
 The estimates are modelled (hybridrl/automap/cost.py states the model), not measured.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
 from pathlib import Path
 
-from hybridrl.automap.search import EXECUTIONS, Mapper, Mapping, make_problem, mapping_json
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybridrl.automap.hardware import GPUS
-
-    group = parser.add_argument_group("automatic device mapping (--auto; HybridFlow Algorithm 1)")
-    group.add_argument("--auto", action="store_true", help="search placements and layouts for an RL step")
-    group.add_argument("--algorithm", default="ppo", help="registered algorithm (ppo, remax, grpo, safe_rlhf, ...)")
-    group.add_argument("--gpus", type=int, help="devices to map onto (required with --auto)")
-    group.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS), help="device type")
-    group.add_argument("--nodes-of", type=int, default=8, help="GPUs per node")
-    group.add_argument("--inter-node-gbps", type=float, help="inter-node link per node in Gb/s (default: the "
-                                                             "GPU preset's: 200 for a100-80g, 3200 for h100/h200)")
-    group.add_argument("--prompt-len", type=int, default=1024)
-    group.add_argument("--response-len", type=int, default=1024)
-    group.add_argument("--batch", type=int, default=1024, help="prompts per step")
-    group.add_argument("--n", type=int, help="samples per prompt (default: 1, or 4 for group baselines)")
-    group.add_argument("--mini-batches", type=int, default=8, help="optimizer steps per epoch (HybridFlow: 8)")
-    group.add_argument("--epochs", type=int, default=1)
-    group.add_argument("--critic-model", help="preset or HF folder of the critic(s) (default: the actor's)")
-    group.add_argument("--reward-model", default="same",
-                       help="same (the actor's size, default), none (a rule reward: no devices), or a preset / folder")
-    group.add_argument("--execution", choices=sorted(EXECUTIONS), default="hybridflow",
-                       help="hybridflow: pools are whole nodes and run a stage in parallel (the paper's d_cost); "
-                            "trainer: what `hybridrl train` runs today (calls in sequence, pools spread over nodes)")
-    group.add_argument("--rollout-pool", action="store_true",
-                       help="also consider generation on a pool of its own and p_g > 1 (not yet runnable)")
-    group.add_argument("--top", type=int, default=5, help="mappings to list")
-    group.add_argument("--write-config", metavar="FILE", help="write the best mapping as a hybridrl train YAML")
+from hybridrl.automap.cost import Workload
+from hybridrl.automap.hardware import gpu
+from hybridrl.automap.search import Mapper, Mapping, make_problem, mapping_json
+from hybridrl.config import ROLE_SECTIONS
 
 
 def _workload(args: argparse.Namespace, spec):
     """The step's shape. The trainer runs a separate old-log-prob pass unless the update is exactly on-policy
     and the KL (if any) is a loss term (trainer/loop.py)."""
-    from hybridrl.automap.cost import Workload
-
     n = args.n or (1 if spec.min_samples_per_prompt <= 1 else 4)
     off_policy = args.mini_batches * args.epochs > 1
     return Workload(prompts=args.batch, prompt_len=args.prompt_len, response_len=args.response_len, samples=n,
@@ -59,9 +26,10 @@ def _workload(args: argparse.Namespace, spec):
 
 def build_report(args: argparse.Namespace) -> dict:
     """Run the search for the CLI's arguments; the report `--json` prints."""
-    import hybridrl.algorithms  # noqa: F401
+    # start-up time: the registry imports torch (its estimators); every `hybridrl` command imports this
+    # module with its parser (cli/plan.py); only `plan --auto` and resources.auto_map search
+    import hybridrl.algorithms  # noqa: F401  (registers the built-in algorithms)
     from hybridrl.algorithms.registry import get_algorithm
-    from hybridrl.automap.hardware import gpu
 
     if not args.gpus or args.gpus < 1:
         raise ValueError("--auto needs --gpus N (the devices to map onto)")
@@ -108,47 +76,6 @@ def _trainer_estimate(mapping: Mapping, prob, execution: str) -> float | None:
     return round(again.step_s, 4) if again else None
 
 
-def _print_text(report: dict) -> None:
-    work = report["workload"]
-    print(f"{report['algorithm']} on {report['model']}, {report['gpus']} x {report['gpu']}")
-    print(f"workload: {work['prompts']} prompts x {work['samples_per_prompt']} samples, {work['prompt_len']} + "
-          f"{work['response_len']} tokens, {work['epochs']} epoch(s) x {work['mini_batches']} mini-batches; roles "
-          f"{', '.join(report['roles'])}")
-    print(f"execution: {report['execution']['name']} ({report['execution']['description']})\n")
-    print(f"{'#':>2} {'step s':>9} {'gen':>8} {'prep':>8} {'train':>8} {'peak GiB':>8}  placement (pool: roles:devices "
-          f"t,p,d [gen t_g,p_g])")
-    for i, m in enumerate(report["candidates"]["top"], 1):
-        st = m["estimate"]["stages"]
-        pools = []
-        for name, pool in m["placement"].items():
-            role = pool["roles"][0]
-            if role == "rollout":
-                gen = m["roles"]["actor"]["generation"]
-                pools.append(f"{name}: rollout:{pool['devices']} [gen {gen['tp']},{gen['pp']}]")
-                continue
-            par = m["roles"][role]["parallel"]
-            text = f"{name}: {'+'.join(pool['roles'])}:{pool['devices']} {par['tp']},{par['pp']},{par['dp']}"
-            if "actor" in pool["roles"] and m["roles"]["actor"]["generation"]["pool"] == name:
-                gen = m["roles"]["actor"]["generation"]
-                text += f" [gen {gen['tp']},{gen['pp']}]"
-            pools.append(text)
-        flag = "" if m["runnable"] else "  (not yet runnable)"
-        print(f"{i:>2} {m['estimate']['step_s']:9.2f} {st['generation']:8.2f} {st['preparation']:8.2f} "
-              f"{st['training']:8.2f} {m['memory']['peak_gb_per_gpu']:8.1f}  {' | '.join(pools)}{flag}")
-    best = report["best"]
-    print(f"\nbest: {best['kind']}, {best['estimate']['tokens_per_s']:.0f} tokens/s modelled", end="")
-    if report["execution"]["name"] != "trainer":
-        trainer = best["trainer_step_s"]
-        print(f"; as `hybridrl train` runs it today: {trainer:.2f} s/step" if trainer is not None else
-              "; `hybridrl train` cannot express it today (see --execution trainer)", end="")
-    print()
-    print("best per placement: " + "; ".join(f"{k} {v['step_s']:.2f} s ({v['label']})"
-                                             for k, v in report["by_placement"].items()))
-    c = report["candidates"]
-    print(f"searched {c['placements']} placements, {c['mappings']} device allocations, {c['simulations']} layout "
-          f"simulations ({c['oom_excluded']} excluded: out of memory) in {c['search_s']:.2f} s. {report['note']}.")
-
-
 def config_from_report(report: dict, model: str, nodes_of: int, reward_model: str = "same") -> dict:
     """A hybridrl train config (config.py's schema) that runs the best mapping; refuses what it cannot express."""
     best = report["best"]
@@ -162,8 +89,6 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
         raise ValueError("the best mapping places pools on whole nodes, but hybridrl's ResourcePool spreads every "
                          "pool over all resources.nodes; rerun with --execution trainer to search the mappings "
                          "hybridrl train runs")
-    from hybridrl.trainer.plan import ROLE_SECTIONS
-
     work, roles = report["workload"], best["roles"]
     tokens = work["prompt_len"] + work["response_len"]
     sequences = work["prompts"] * work["samples_per_prompt"]
@@ -217,26 +142,3 @@ def write_config(report: dict, model: str, nodes_of: int, path: str | Path, rewa
     path = Path(path)
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(cfg, sort_keys=False))
     return path
-
-
-def run(args: argparse.Namespace) -> int:
-    from hybridrl.parallel.layout import LayoutError
-
-    start = time.perf_counter()
-    try:
-        report = build_report(args)
-        if args.write_config:
-            write_config(report, args.model, args.nodes_of, args.write_config, args.reward_model)
-    except (LayoutError, ValueError) as exc:
-        print(f"hybridrl plan --auto: {exc}", file=sys.stderr)
-        return 2
-    report["candidates"]["total_s"] = round(time.perf_counter() - start, 3)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_text(report)
-        if args.write_config:
-            print(f"wrote {args.write_config}")
-    return 0
-
-

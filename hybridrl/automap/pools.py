@@ -15,9 +15,11 @@ from hybridrl.automap.cost import (LM_ROLES, ModelStats, Net, Workload, activati
                                    forward_time, generation_buffer_bytes, generation_time, static_bytes,
                                    update_time)
 from hybridrl.automap.hardware import Accelerator
+from hybridrl.hybrid_engine.cost_model import Hardware, transition_time
 from hybridrl.hybrid_engine.model_shapes import ModelShapes
-from hybridrl.parallel.generation import valid_generation_pp, valid_generation_tp
-from hybridrl.parallel.layout import divisors
+from hybridrl.hybrid_engine.plan import HybridEnginePlan
+from hybridrl.parallel.generation import GenerationLayout, valid_generation_pp, valid_generation_tp
+from hybridrl.parallel.layout import ParallelLayout, divisors
 
 GEN, PREP, TRAIN = 0, 1, 2
 STAGES = ("generation", "preparation", "training")
@@ -63,11 +65,6 @@ class Problem:
             return 0.0
         key = (t, p, d, tg, pg, per_node)
         if key not in self._transitions:
-            from hybridrl.hybrid_engine.cost_model import Hardware, transition_time
-            from hybridrl.hybrid_engine.plan import HybridEnginePlan
-            from hybridrl.parallel.generation import GenerationLayout
-            from hybridrl.parallel.layout import ParallelLayout
-
             plan = HybridEnginePlan(ParallelLayout(tp=t, pp=p, dp=d), GenerationLayout(tp=tg, pp=pg),
                                     self.actor_shapes, dtype_bytes=self.acc.param_bytes)
             hw = Hardware(name=self.acc.name, gpus_per_node=per_node, nvlink_GBps=self.acc.intra_node_bw / 1e9,

@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from hybridrl.automap.cost import ModelStats
 from hybridrl.automap.pools import STAGES, PoolChoice, Problem, best_pool, best_rollout_pool, weight_sync_time
+from hybridrl.hybrid_engine.model_shapes import model_shapes
 
 UNITS: dict[str, tuple[str, ...]] = {"actor": ("actor",), "ref": ("ref",), "critic": ("critic", "cost_critic"),
                                      "reward": ("reward",), "cost": ("cost",)}
@@ -48,6 +50,8 @@ EXECUTIONS = {
 
 def roles_for(algorithm: str, reward_model: bool = True, cost_model: bool = True, reference: bool = True) -> tuple[str, ...]:
     """The roles with devices of one algorithm (from its registry entry); reward / cost as models or not."""
+    # start-up time: the registry imports torch (its estimators); every `hybridrl` command imports this
+    # module with its parser (cli/plan.py); only `plan --auto` and resources.auto_map search
     import hybridrl.algorithms  # noqa: F401  (registers the built-in algorithms)
     from hybridrl.algorithms.registry import get_algorithm
 
@@ -72,9 +76,6 @@ def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model:
     """The search's input. model: a preset or HF folder (the actor and reference); critic_model: the critics'
     (None: the actor's); reward_model / cost_model: "same" (the actor's size), None (a rule function: no
     devices) or another preset / folder."""
-    from hybridrl.automap.cost import ModelStats
-    from hybridrl.hybrid_engine.model_shapes import model_shapes
-
     shapes = model_shapes(model)
     actor = ModelStats.from_shapes(shapes)
 

@@ -13,6 +13,8 @@ import shutil
 import sys
 import tempfile
 
+from hybridrl.controller.reaper import start_reaper, stop_reaper
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -75,8 +77,6 @@ def init_local_ray(num_devices: int, num_cpus: int | None = None,
              log_to_driver=log_to_driver, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": worker_python_path(), "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
                                        "TMPDIR": _worker_temp_dir()}})
-    from hybridrl.controller.reaper import start_reaper
-
     start_reaper(os.getpid())  # Ray's processes die with this driver, even a SIGKILLed one
     resources = ray.cluster_resources()
     if f"node:{LOOPBACK}" not in resources:
@@ -111,8 +111,6 @@ def ensure_ray(num_devices: int | None = None, address: str | None = None, **loc
 
 def shutdown_ray() -> None:
     import ray
-
-    from hybridrl.controller.reaper import stop_reaper
 
     if ray.is_initialized():
         ray.shutdown()

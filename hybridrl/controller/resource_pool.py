@@ -1,17 +1,18 @@
 """ResourcePool: a set of devices, one Ray placement-group bundle per device, packed per node.
 
 Roles created on the same pool live in the same worker processes (one per device) and so share
-its devices and process group; roles on different pools get disjoint devices and processes.
+its devices and process group; roles on different pools get disjoint devices and processes. The pool holds
+those processes (`_hosts`, private to the controller: worker_group.py starts them with the pool's first role);
+outside the controller `pool.layout` says which layout they hold.
 """
 from __future__ import annotations
 
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from hybridrl.controller.worker_group import _PoolHosts
+from hybridrl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,14 @@ _DEVICE_PATTERN = re.compile(r"^(cuda|gpu):(\d+)$")
 
 class ResourcePoolError(ValueError):
     """A resource pool that cannot be built (bad sizes, not enough devices in Ray)."""
+
+
+class PoolProcesses(Protocol):
+    """What the pool knows of its worker processes (worker_group.py's _PoolHosts, started with its first role)."""
+
+    layout: ParallelLayout | None  # the layout their Megatron state was initialised with; None: none yet
+
+    def kill(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -38,7 +47,7 @@ class ResourcePool:
     placement_timeout_s: float = 120.0
     device_labels: list[str] = field(init=False)
     _placement_groups: list[Any] = field(default_factory=list, init=False, repr=False)
-    _hosts: "_PoolHosts | None" = field(default=None, init=False, repr=False)
+    _hosts: PoolProcesses | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or self.nodes < 1:
@@ -77,9 +86,10 @@ class ResourcePool:
         return self.nodes * self.devices_per_node
 
     @property
-    def layout(self) -> Any:
-        """The ParallelLayout the pool's processes hold (colocated roles share it); None before any role."""
-        return None if self._hosts is None else self._hosts.layout
+    def layout(self) -> ParallelLayout | None:
+        """The layout the pool's processes hold Megatron state for (colocated roles share it); None while no
+        role is on the pool (or its roles hold no Megatron state)."""
+        return self._hosts.layout if self._hosts is not None else None
 
     def placement_groups(self) -> list[Any]:
         """One STRICT_PACK placement group per node, each with one {"GPU": 1} bundle per device (created once)."""

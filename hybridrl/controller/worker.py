@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from hybridrl.parallel import distributed
 from hybridrl.parallel.layout import ParallelLayout, RankCoords
 
 logger = logging.getLogger(__name__)
@@ -81,9 +82,7 @@ class Worker:
 
     @property
     def device(self):
-        from hybridrl.parallel.distributed import device
-
-        return device()
+        return distributed.device()
 
 
 @dataclass
@@ -185,29 +184,23 @@ class WorkerHost:
         """Rank 0 picks a free port on its own node address for the process-group rendezvous."""
         import ray
 
-        from hybridrl.parallel.distributed import free_port
-
         address = ray.util.get_node_ip_address()
-        return address, free_port(address)
+        return address, distributed.free_port(address)
 
     def init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> int:
-        from hybridrl.parallel.distributed import init_distributed
-
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s)
+        distributed.init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s)
         self.master = (master_addr, master_port)
         return self.rank
 
     def init_model_parallel(self, layout: ParallelLayout, seed: int) -> None:
         """Build Megatron's parallel state for `layout` (once per process; colocated roles share it)."""
-        from hybridrl.parallel.distributed import initialize_model_parallel
-
         if self.layout == layout:
             return
         if self.layout is not None and self.roles:
             raise RuntimeError(f"this process already holds Megatron parallel state for {self.layout.describe()}; "
                                f"colocated roles must share one layout (got {layout.describe()})")
-        initialize_model_parallel(layout, seed=seed)
+        distributed.initialize_model_parallel(layout, seed=seed)
         self.layout = layout
 
     def add_role(self, role: str, cls_bytes: bytes, layout: ParallelLayout, args: tuple, kwargs: dict):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from hybridrl.data.tasks import DEFAULT_TASK, task_train_file
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
@@ -162,8 +164,6 @@ class PromptDataset:
 def prompt_dataset_from_config(data_cfg: Any, tokenizer: Any, task: str | None = None,
                                overlong: str | None = None) -> PromptDataset:
     """A PromptDataset from the `data` config section; empty `train_files`: the bundled task's prompts."""
-    from hybridrl.data.tasks import DEFAULT_TASK, task_train_file
-
     files = list(data_cfg.train_files) or [task_train_file(task or DEFAULT_TASK)]
     return PromptDataset(files, tokenizer, prompt_key=data_cfg.prompt_key,
                          max_prompt_length=data_cfg.max_prompt_length, chat_template=data_cfg.chat_template,

@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
+from hybridrl.hybrid_engine.model_shapes import DTYPE_BYTES, model_shapes
 from hybridrl.hybrid_engine.plan import STRATEGIES, HybridEnginePlan, check_strategy
-from hybridrl.parallel.generation import GenerationLayout
+from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import ParallelLayout
 
 
@@ -129,3 +130,30 @@ def hybrid_effective_bytes(plan: HybridEnginePlan) -> int:
     partitioned = sum(sum(row) for row in plan.table.partitioned)
     replicated = sum(plan.table.replicated)
     return (partitioned + plan.gen.tp * replicated) * plan.dtype_bytes
+
+
+def plan_report(model: str, train: ParallelLayout, gen: GenerationLayout, dtype: str = "bf16",
+                per_rank: bool = False) -> dict:
+    """The plan of `model` (a preset or an HF config folder) for train -> gen and the cost of every strategy,
+    as plain data (`hybridrl plan --json`). The layouts are checked before the model's shapes are built."""
+    check_generation_layout(train, gen)  # layout-only checks first: cheap, before the model is built
+    shapes = model_shapes(model)
+    plan = HybridEnginePlan(train, gen, shapes, dtype_bytes=DTYPE_BYTES[dtype])
+    costs = account_all(plan)
+    report = {
+        "model": model, "dtype": dtype, "model_bytes": plan.model_bytes,
+        "expert_bytes": plan.expert_bytes, "num_experts": shapes.num_experts,
+        "train": {"tp": train.tp, "pp": train.pp, "dp": train.dp, "ep": train.ep, "expert_tp": train.expert_tp},
+        "gen": {"tp": gen.tp, "pp": gen.pp, "ep": gen.ep, "micro_dp": plan.groups.micro_dp_size,
+                "dp": plan.groups.gen_dp_size},
+        "expert_gather_groups": plan.expert_gather_groups("hybrid"),
+        "micro_dp_groups": plan.groups.micro_dp_groups(),
+        "gen_tp_groups": plan.groups.gen_tp_groups(),
+        "gen_pp_groups": plan.groups.gen_pp_groups(),
+        "gen_dp_groups": plan.groups.gen_dp_groups(),
+        "strategies": {name: cost.summary() for name, cost in costs.items()},
+    }
+    if per_rank:
+        report["ranks"] = [plan.describe_rank(r) for r in train.ranks()]
+        report["per_rank_costs"] = {name: cost.per_rank() for name, cost in costs.items()}
+    return report

@@ -26,10 +26,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hybridrl.hybrid_engine.experts import expert_stage
 from hybridrl.hybrid_engine.megatron_adapter import (attach_generation_weights, detach_generation_weights,
                                                      generation_parameter_shapes, generation_pg_collection,
                                                      training_params)
 from hybridrl.hybrid_engine.reshard import Resharder, ReshardStats
+from hybridrl.models.builder import build_gpt_model, unwrap
 from hybridrl.parallel.generation import GenerationGroups, GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import ParallelLayout
 
@@ -46,8 +48,6 @@ class HybridEngine:
 
     def __init__(self, train_model: Any, hf_config: Any, layout: ParallelLayout, gen_layout: GenerationLayout,
                  strategy: str = "hybrid", *, bucket_mb: float = 32.0, release_training: bool = True) -> None:
-        from hybridrl.models.builder import build_gpt_model, unwrap
-
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r}: the reshard bucket must be a positive size in MiB "
                              f"(e.g. 32)")
@@ -85,8 +85,6 @@ class HybridEngine:
         params = training_params(train_model, stage)
         self.experts = None  # expert parallelism: the other ranks' experts are gathered first (experts.py)
         if layout.ep > 1 or layout.expert_tp != layout.tp:
-            from hybridrl.hybrid_engine.experts import expert_stage
-
             self.experts = expert_stage(params, inner.config.num_moe_experts, layout, self.rank, gen_layout.ep,
                                         bucket_bytes=max(1, int(bucket_mb * (1 << 20))))
             params = self.experts.params(params) if self.experts is not None else params

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.hybrid_engine.model_shapes import GATED_HALVES
-from hybridrl.hybrid_engine.reshard import ShardedParam
+from hybridrl.hybrid_engine.reshard import ShardedParam, new_group_of
 from hybridrl.models.families import expert_number, renumber_expert, tp_gather, tp_shard
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
@@ -270,8 +270,6 @@ def expert_stage(params: list[ShardedParam], num_experts: int, layout: ParallelL
     when e_g = ep: nothing to gather), a regroup over the expert-TP x EP group otherwise (e_g = 1)."""
     if layout.expert_tp != layout.tp:
         return ExpertRegroup(params, num_experts, layout, rank, bucket_bytes=bucket_bytes)
-    from hybridrl.hybrid_engine.reshard import new_group_of
-
     size = layout.ep // gen_ep
     gather_groups = [group[i:i + size] for group in layout.expert_parallel_groups()
                      for i in range(0, len(group), size)]

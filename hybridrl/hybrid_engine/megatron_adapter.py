@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES
 from hybridrl.hybrid_engine.reshard import ShardedParam, new_group_of
+from hybridrl.models.builder import named_global_parameters
+from hybridrl.models.families import is_gated_fc1, tp_partition_dim
 from hybridrl.parallel.generation import GenerationGroups
 
 logger = logging.getLogger(__name__)
@@ -27,9 +29,6 @@ logger = logging.getLogger(__name__)
 
 def training_params(model: Any, stage: int) -> list[ShardedParam]:
     """This rank's training shards of a (possibly wrapped) Megatron GPT model on pipeline stage `stage`."""
-    from hybridrl.models.builder import named_global_parameters
-    from hybridrl.models.families import is_gated_fc1, tp_partition_dim
-
     out = []
     for name, param in named_global_parameters(model):
         dim = tp_partition_dim(param)
@@ -80,8 +79,6 @@ def generation_pg_collection(groups: GenerationGroups):
 def load_generation_weights(gen_model: Any, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Copy resharded tensors into a generation-layout model; returns the names it did not use (e.g. the
     last stage's copy of tied embeddings). A model parameter without a tensor is an error."""
-    from hybridrl.models.builder import named_global_parameters
-
     used = set()
     for name, param in named_global_parameters(gen_model):
         if name not in tensors:
@@ -99,8 +96,6 @@ def load_generation_weights(gen_model: Any, tensors: dict[str, torch.Tensor]) ->
 
 def generation_parameter_shapes(gen_model: Any) -> dict[str, tuple[int, ...]]:
     """Global name -> shape of every parameter of a generation-layout model (read before detaching)."""
-    from hybridrl.models.builder import named_global_parameters
-
     return {name: tuple(param.shape) for name, param in named_global_parameters(gen_model)}
 
 
@@ -110,8 +105,6 @@ def attach_generation_weights(gen_model: Any, tensors: dict[str, torch.Tensor],
     """Make each parameter of `gen_model` view its resharded tensor (`shapes`: the model's parameter shapes,
     from generation_parameter_shapes). Non-contiguous tensors (baselines' slices) are made contiguous.
     Returns the names the model did not use; a model parameter without a tensor is an error."""
-    from hybridrl.models.builder import named_global_parameters
-
     used = set()
     for name, param in named_global_parameters(gen_model):
         if name not in tensors:
@@ -127,7 +120,5 @@ def attach_generation_weights(gen_model: Any, tensors: dict[str, torch.Tensor],
 @torch.no_grad()
 def detach_generation_weights(gen_model: Any) -> None:
     """Drop every parameter's storage (shapes become [0]) so the model holds no parameter memory."""
-    from hybridrl.models.builder import named_global_parameters
-
     for _, param in named_global_parameters(gen_model):
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)

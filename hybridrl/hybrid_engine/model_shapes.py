@@ -9,8 +9,9 @@ spec per expert (`expert` = its global number), as Megatron holds them (an exper
 a dense MLP). Routers and the shared-expert gate are replicated. Multi-head latent attention (DeepSeek-V3):
 the down projections and their norms are replicated, the up projections column-parallel, as Megatron's MLA.
 
-TODO(models/): switch to hybridrl.models' Megatron GPTModel builder on the meta device once it lands; until
-then the shapes come from the Hugging Face model built on meta plus the rule table below.
+The shapes come from the Hugging Face model built on meta plus the rule table below, not from hybridrl.models'
+Megatron builder: that one needs Megatron's process groups for the layout, and `hybridrl plan` sizes a 70B
+model on 128 GPUs without Megatron, a process group or a GPU.
 """
 from __future__ import annotations
 
@@ -110,6 +111,8 @@ def load_hf_config(model: str):
         class_name, kwargs = MOE_PRESETS[model]
         return getattr(transformers, class_name)(**kwargs, tie_word_embeddings=False)
     if os.path.isdir(model):
+        # start-up time: hybridrl.models imports torch, and every `hybridrl` command imports this module with
+        # its parser (cli/plan.py)
         from hybridrl.models.config import load_hf_config as load_folder
 
         return load_folder(model)

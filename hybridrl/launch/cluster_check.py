@@ -37,7 +37,7 @@ class ClusterCheckActor:
     def free_port(self) -> int:
         import ray
 
-        from hybridrl.parallel.distributed import free_port
+        from hybridrl.parallel.distributed import free_port  # torch: for the actors only, not the check's driver
 
         return free_port(ray.util.get_node_ip_address())
 
@@ -46,7 +46,7 @@ class ClusterCheckActor:
 
         import torch
 
-        from hybridrl.parallel.distributed import backend
+        from hybridrl.parallel.distributed import backend  # torch (see free_port)
 
         torch.distributed.init_process_group(backend=backend(), init_method=f"tcp://{master_addr}:{master_port}",
                                              rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
@@ -55,7 +55,7 @@ class ClusterCheckActor:
     def all_reduce(self, rank: int, step: int, numel: int) -> list[float]:
         import torch
 
-        from hybridrl.parallel.distributed import device
+        from hybridrl.parallel.distributed import device  # torch (see free_port)
 
         value = torch.full((numel,), float((rank + 1) * (step + 1)), device=device())
         torch.distributed.all_reduce(value)

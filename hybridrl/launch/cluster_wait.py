@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from hybridrl.launch.ray_node import tcp_reachable
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +20,16 @@ class JoinedNode:
     ip: str
     cpus: float
     gpus: float
+
+
+def tcp_reachable(address: str, timeout_s: float = 1.0) -> bool:
+    """Something listens at `address` (HOST:PORT): the Ray head's GCS, before ray.init can join it."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _exited(pid: int) -> bool:

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridrl.launch.cluster_wait import ClusterNotReady, tcp_reachable, wait_for_cluster
+
 logger = logging.getLogger("hybridrl.launch.ray_node")
 
 PORT_BLOCK = 400  # ports reserved per node: fixed services first, then the worker port range
@@ -238,15 +240,6 @@ def ports_in_use(ports: RayNodePorts, role: str) -> list[int]:
     return taken
 
 
-def tcp_reachable(address: str, timeout_s: float = 1.0) -> bool:
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
 def _log_tail(temp_dir: str, lines: int = 15) -> str:
     """The end of the Ray daemon error logs, to say why a node did not start."""
     out = []
@@ -429,8 +422,6 @@ def main(argv: list[str] | None = None) -> int:
             stop_ray_processes(args.temp_dir, grace_s=args.grace)
             return 1 if ray_processes(args.temp_dir) else 0
         elif args.action == "wait":
-            from hybridrl.launch.cluster_wait import ClusterNotReady, wait_for_cluster
-
             watch = {}
             for item in args.watch:
                 name, _, pid = item.partition("=")

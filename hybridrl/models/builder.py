@@ -115,6 +115,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    # megatron.core: swiglu.py imports it at its top; this module loads Megatron only where a model is built
     from hybridrl.models.swiglu import use_swiglu_mlp
 
     if head not in HEADS:

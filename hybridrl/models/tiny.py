@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from hybridrl.data.tokenizer import BUNDLED_TOKENIZER_DIR, VOCAB_SIZE
+
 logger = logging.getLogger(__name__)
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
@@ -112,8 +114,6 @@ def bundled_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
     import os
     import shutil
     import tempfile
-
-    from hybridrl.data.tokenizer import BUNDLED_TOKENIZER_DIR, VOCAB_SIZE
 
     if name not in BUNDLED_MODELS:
         raise ValueError(f"{TINY_PREFIX}{name} is not a bundled model; choose one of "

@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import torch
 
+import megatron_patches
 from hybridrl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,6 @@ def prepare_process() -> None:
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     else:
-        import megatron_patches
-
         megatron_patches.apply()
 
 

@@ -34,6 +34,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from hybridrl.protocol import Batch
+
 logger = logging.getLogger(__name__)
 
 Prompts = Sequence[Sequence[int]]
@@ -153,8 +155,6 @@ def finish_reason(tokens: Sequence[int], params: SamplingParams) -> str:
 
 def assemble_batch(sequences: list[GeneratedSequence], params: SamplingParams, pad_token_id: int) -> Any:
     """Pack generated sequences into the Batch layout documented at the top of this module."""
-    from hybridrl.protocol import Batch
-
     num = len(sequences)
     prompt_len = max(len(s.prompt) for s in sequences)
     response_len = max(max(len(s.tokens) for s in sequences), 1)
@@ -244,10 +244,6 @@ def normalise_prompts(prompts: Prompts | Any) -> Prompts:
 
 
 def _is_batch(obj: Any) -> bool:
-    try:
-        from hybridrl.protocol import Batch
-    except ImportError:
-        return False
     return isinstance(obj, Batch)
 
 
@@ -255,8 +251,6 @@ def concat_batches(batches: list[Any], pad_token_id: int) -> Any:
     """Rows of generated Batches (assemble_batch's layout) from separate generate calls or generation
     replicas, re-padded to the widest prompt (left) and response (right) among them. The first batch's meta
     is kept, less the per-call timing."""
-    from hybridrl.protocol import Batch
-
     prompt_len = max(b["prompts"].shape[1] for b in batches)
     response_len = max(b["responses"].shape[1] for b in batches)
     meta = {k: v for k, v in batches[0].meta.items() if k not in ("timing", "reshard_recv_bytes")}

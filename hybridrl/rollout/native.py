@@ -30,8 +30,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.rollout.base import (GeneratedSequence, Prompts, RolloutEngine, SamplingParams, assemble_batch,
                                    finish_reason, normalise_prompts, validate_prompts)
+from hybridrl.rollout.fast_decode import FastForward, unsupported
 from hybridrl.rollout.sampling import row_uniforms, sample_tokens
 
 logger = logging.getLogger(__name__)
@@ -93,8 +95,6 @@ class NativeRolloutEngine(RolloutEngine):
         self._context = None  # StaticInferenceContext, built lazily, dropped by release()
         self._fast = None
         if fast_forward:
-            from hybridrl.rollout.fast_decode import FastForward, unsupported
-
             reason = unsupported(gpt)
             if reason is None:
                 self._fast = FastForward(gpt, self.tp_group, self.max_model_len)
@@ -102,8 +102,6 @@ class NativeRolloutEngine(RolloutEngine):
                 logger.info("native engine: Megatron's forward (the lean one does not cover %s)", reason)
         self.routing = None
         if record_routing:
-            from hybridrl.models.routing_replay import ExpertRouting
-
             self.routing = ExpertRouting.of(gpt)
             if self.routing is None:
                 raise ValueError("record_routing (rollout.record_routing / rollout.routing_replay) needs a "

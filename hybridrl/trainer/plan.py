@@ -21,7 +21,6 @@ from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module,
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
 from hybridrl.config import ROLE_SECTIONS, ConfigError, RolloutConfig, typed
-from hybridrl.config_checks import check_values
 from hybridrl.data.tasks import task_reward_path
 from hybridrl.envs import env_class
 from hybridrl.hybrid_engine.plan import STRATEGIES
@@ -33,6 +32,7 @@ from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
 from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
+from hybridrl.trainer.config_checks import check_values
 from hybridrl.workers.policy import PolicyLossConfig
 from hybridrl.workers.rule_reward import load_reward_fn
 

@@ -1,4 +1,4 @@
-"""Plots (PNG) and a Markdown summary of a run's metrics.jsonl (`hybridrl report`, trainer/report_cli.py).
+"""Plots (PNG) and a Markdown summary of a run's metrics.jsonl (`hybridrl report`, cli/report.py).
 
 Writes into RUN_DIR/report (or --out): reward.png (mean +- std), kl.png (KL and its coefficient),
 throughput.png (tokens/s), stage_times.png (stacked seconds per stage, with the step total) and

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from hybridrl.config import MachineError
+
 logger = logging.getLogger(__name__)
 
 # Keys shown on the per-step console line, in this order, when present.
@@ -35,8 +37,6 @@ def new_run_dir(base: str | Path | None, algorithm: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        from hybridrl.config import MachineError
-
         raise MachineError(f"trainer.run_dir={path}: cannot write there ({exc.strerror or exc}); choose a folder "
                           f"you can write to") from None
     return path.resolve()

@@ -1,4 +1,5 @@
-"""`hybridrl convert`: Hugging Face <-> Megatron distributed checkpoints, on T*P local processes.
+"""Hugging Face <-> Megatron distributed checkpoints, on T*P local processes (`hybridrl convert`, the command
+in hybridrl/cli/convert.py): `plan` checks a conversion and describes it, `convert` runs it.
 
     hybridrl convert --from hf --to mcore --tp 2 --pp 2 [--ep E [--expert-tp T]] SRC_HF_DIR DST_MCORE_DIR
     hybridrl convert --from mcore --to hf [--tp T --pp P] SRC_MCORE_DIR DST_HF_DIR
@@ -9,24 +10,27 @@ checkpoint completeness) is checked before any process starts.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hybridrl.models.builder import build_gpt_model
+from hybridrl.models.checkpoint_hf import check_hf_checkpoint, export_hf_checkpoint, load_hf_weights
 from hybridrl.models.config import CheckpointError, check_supported, load_hf_config
-from hybridrl.models.families import ModelDims, UnsupportedModelError, family_for, head_of
+from hybridrl.models.dist_ckpt import load_dist_checkpoint, read_dist_checkpoint_info, save_dist_checkpoint
+from hybridrl.models.families import ModelDims, family_for, head_of
+from hybridrl.parallel.distributed import (destroy_model_parallel, free_port, init_distributed,
+                                           initialize_model_parallel)
 from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("hf", "mcore", "ckpt")  # ckpt: a `hybridrl train` checkpoint folder (source only)
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,25 +48,6 @@ class ConvertJob:
     dtype: torch.dtype
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--from", dest="source_format", choices=FORMATS, required=True, help="source format")
-    parser.add_argument("--to", dest="target_format", choices=FORMATS, required=True, help="target format")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversion (and of the "
-                        "written Megatron checkpoint)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models): the "
-                        "conversion runs on tp*pp*dp processes, dp the fewest DP replicas that make whole expert grids "
-                        "(ep*expert_tp/gcd(ep*expert_tp, tp)), each holding "
-                        "1/ep of every MoE layer's experts")
-    parser.add_argument("--expert-tp", type=int, default=None, help="the experts' tensor-parallel size, dividing "
-                        "--tp or a multiple of it (default: --tp); below --tp the expert-parallel ranks include TP "
-                        "ranks, above it an expert is split over ranks of several DP replicas")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
-                        help="parameter dtype (auto: the HF config's dtype, else float32)")
-    parser.add_argument("src", help="source folder")
-    parser.add_argument("dst", help="destination folder (must not exist or be empty)")
-
-
 def _config_dtype(hf_config: Any) -> torch.dtype:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(value, str):
@@ -71,23 +56,23 @@ def _config_dtype(hf_config: Any) -> torch.dtype:
 
 
 def plan(source_format: str, target_format: str, src: str, dst: str, tp: int = 1, pp: int = 1,
-         dtype: str = "auto", ep: int = 1, expert_tp: int | None = None) -> ConvertJob:
-    """Validate everything and describe the job; raises a clear error on any bad input."""
-    from hybridrl.models.checkpoint_hf import check_hf_checkpoint
-    from hybridrl.models.dist_ckpt import read_dist_checkpoint_info
+         dtype: str = "auto", ep: int = 1, expert_tp: int | None = None,
+         actor_checkpoint: Callable[[str], str] | None = None) -> ConvertJob:
+    """Validate everything and describe the job; raises a clear error on any bad input.
 
+    A `ckpt` source is a training checkpoint folder; `actor_checkpoint(folder)` finds the actor's Megatron
+    checkpoint inside it (the trainer owns that layout: the command passes trainer/checkpoint.py's), raising
+    CheckpointError when there is none."""
     if (source_format, target_format) not in (("hf", "mcore"), ("mcore", "hf"), ("ckpt", "hf")):
         raise ConvertError(f"--from {source_format} --to {target_format} is not a conversion; use "
                            f"--from hf --to mcore, --from mcore --to hf or --from ckpt --to hf")
     if source_format == "ckpt":  # the actor's Megatron checkpoint inside RUN/ckpt/step_N
-        from hybridrl.trainer.checkpoint import CheckpointNotFoundError, actor_model_dir
-
+        if actor_checkpoint is None:
+            raise ConvertError("a training checkpoint source needs actor_checkpoint= (how to find the actor's "
+                               "checkpoint in it)")
         if not Path(src).is_dir():
             raise CheckpointError(f"source {src} does not exist or is not a folder")
-        try:
-            src = str(actor_model_dir(src))
-        except CheckpointNotFoundError as exc:
-            raise CheckpointError(str(exc)) from None
+        src = actor_checkpoint(src)
         source_format = "mcore"
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}; choose one of {sorted(DTYPES)}")
@@ -122,11 +107,6 @@ def _worker(rank: int, job: ConvertJob, port: int) -> None:
     os.environ["LOCAL_RANK"] = str(rank)  # prepare_process picks the GPU from it
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    from hybridrl.models.builder import build_gpt_model
-    from hybridrl.models.checkpoint_hf import export_hf_checkpoint, load_hf_weights
-    from hybridrl.models.dist_ckpt import load_dist_checkpoint, read_dist_checkpoint_info, save_dist_checkpoint
-    from hybridrl.parallel.distributed import destroy_model_parallel, init_distributed, initialize_model_parallel
-
     init_distributed(rank, job.layout.world_size, "127.0.0.1", port)
     try:
         initialize_model_parallel(job.layout)
@@ -149,23 +129,9 @@ def convert(job: ConvertJob) -> None:
     """Run a planned job on the layout's local processes (gloo on CPU, one GPU each when CUDA is present)."""
     import torch.multiprocessing as tmp
 
-    from hybridrl.parallel.distributed import free_port
-
     if torch.cuda.is_available() and torch.cuda.device_count() < job.layout.world_size:
         raise LayoutError(f"{job.layout.describe()} needs {job.layout.world_size} processes but only {torch.cuda.device_count()} "
                           f"GPUs; lower --tp/--pp/--ep")
     logger.info("converting %s (%s) -> %s with %d processes (%s)", job.source, job.source_format,
                 job.destination, job.layout.world_size, job.layout.describe())
     tmp.spawn(_worker, args=(job, free_port()), nprocs=job.layout.world_size, join=True)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        job = plan(args.source_format, args.target_format, args.src, args.dst, args.tp, args.pp, args.dtype, args.ep,
-                   getattr(args, "expert_tp", None))
-    except (ConvertError, CheckpointError, UnsupportedModelError, LayoutError) as exc:
-        print(f"hybridrl convert: error: {exc}", file=sys.stderr)
-        return 2
-    convert(job)
-    print(f"converted {job.source} -> {job.destination} ({job.layout.describe()})")
-    return 0

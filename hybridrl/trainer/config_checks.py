@@ -12,7 +12,12 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from hybridrl.algorithms.losses import KL_ESTIMATORS
 from hybridrl.config import ConfigError
+from hybridrl.models.tiny import TINY_PREFIX
+from hybridrl.rollout import sampling_params_from_config
+from hybridrl.rollout.base import SamplingParamsError
+from hybridrl.trainer.tracking import BACKENDS
 
 MODEL_ROLES = ("actor", "ref", "critic")  # sections with model / parallel / optim
 SCORE_MODELS = ("reward_model", "cost_model")
@@ -46,8 +51,6 @@ def _finite(v: Any) -> bool:
 
 
 def _exists(v: Any) -> bool:
-    from hybridrl.models.tiny import TINY_PREFIX
-
     return v is None or str(v).startswith(TINY_PREFIX) or Path(str(v)).expanduser().exists()
 
 
@@ -142,11 +145,6 @@ def checked_options() -> list[str]:
 
 def check_values(cfg: Any) -> None:
     """Raise ConfigError for the first option whose value cannot work."""
-    from hybridrl.algorithms.losses import KL_ESTIMATORS
-    from hybridrl.rollout import sampling_params_from_config
-    from hybridrl.rollout.base import SamplingParamsError
-    from hybridrl.trainer.tracking import BACKENDS
-
     for options, check, what, fix in RULES:
         for option in (o for pattern in options for o in _expand(pattern)):
             value = _value(cfg, option)

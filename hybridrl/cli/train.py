@@ -20,7 +20,10 @@ import logging
 import os
 import sys
 
+from hybridrl.automap.apply import apply_auto_map
 from hybridrl.config import CONFIG_DIR, ConfigError, MachineError, load_config, to_yaml
+from hybridrl.trainer.run_lock import lock_run_dir
+from hybridrl.trainer.tracking import MetricsTracker
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,7 @@ def _resume_target(cfg) -> tuple[object, object]:
     continues in that checkpoint's run folder."""
     from pathlib import Path
 
+    # start-up time: torch; every `hybridrl` command imports this module with its parser
     from hybridrl.trainer.checkpoint import CKPT_DIR, CheckpointNotFoundError, resolve_resume
     from hybridrl.trainer.run import run_dir_for
 
@@ -143,7 +147,7 @@ def _log_error(run_dir, exc: BaseException) -> str:
 
 def _interrupted(exc, steps_done: int, run_dir) -> str:
     """The one line an interrupted run ends with; a save cut off half-way is removed first."""
-    from hybridrl.trainer.checkpoint import CheckpointManager
+    from hybridrl.trainer.checkpoint import CheckpointManager  # start-up time: torch (see _resume_target)
 
     checkpoints = CheckpointManager(run_dir)
     checkpoints.discard_partial()
@@ -154,20 +158,17 @@ def _interrupted(exc, steps_done: int, run_dir) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # start-up time: torch and the trainer load for a run, not for every `hybridrl` command's parser
     from hybridrl.controller.interrupts import stop_on_signals
     from hybridrl.trainer.loop import RLTrainer
     from hybridrl.trainer.run import run_training
     from hybridrl.trainer.plan import plan_run
-    from hybridrl.trainer.run_lock import lock_run_dir
-    from hybridrl.trainer.tracking import MetricsTracker
 
     config, overrides = _split(args)
     auto_map = None
     try:
         cfg = load_config(config or DEFAULT_CONFIG, overrides)
         if cfg.resources.auto_map:  # choose pools and layouts for this machine (hybridrl/automap/apply.py)
-            from hybridrl.automap.apply import apply_auto_map
-
             auto_map = apply_auto_map(cfg)
         if args.print_config:
             print(to_yaml(cfg), end="")
@@ -226,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | None:
     """Exit code and one line for a run that did not finish; None for an unexpected error."""
+    # start-up time: torch (see run)
     from hybridrl.controller import WorkerError
     from hybridrl.controller.interrupts import Interrupted
     from hybridrl.models.config import CheckpointError

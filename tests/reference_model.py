@@ -1,9 +1,9 @@
-"""Hugging Face transformers reference outputs, computed in a clean subprocess.
+"""Hugging Face transformers reference outputs, computed in a clean subprocess (for the tests; not shipped).
 
 Why a subprocess: the reference must not share anything with the code under test. Processes that
-run Megatron on CPU have the shims applied (megatron_patches.apply() wraps torch factories), and before
-commit 4c56544 that made transformers 5.x load models with an uninitialised rotary `inv_freq`; a clean
-spawned process keeps the reference independent of any such process-global patch.
+run Megatron on CPU have the shims applied (megatron_patches.apply() wraps torch factories), and a wrapped
+factory once broke the meta-device redirect, so transformers 5.x loaded models with an uninitialised
+rotary `inv_freq`; a clean spawned process keeps the reference independent of any such process-global patch.
 """
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""`hybridrl` command line: each subcommand lives with the concept it drives, in `<package>/<NAME>_cli.py`."""
+"""`hybridrl` command line: every subcommand is a module of this package, `hybridrl/cli/<NAME>.py`.
+
+A command parses its arguments and calls into the packages that do the work (trainer, models, launch, ...);
+`hybridrl --help` imports every command module, so each keeps its heavy imports (torch, Megatron, Ray) inside
+the functions that need them.
+"""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +15,12 @@ import sys
 # subcommand -> (module that owns it, one-line help). Each module defines
 # `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
-    "train": ("hybridrl.trainer.train_cli", "run an RL algorithm from a YAML config (default: tiny ReMax on CPU)"),
-    "plan": ("hybridrl.hybrid_engine.plan_cli", "print the 3D-HybridEngine plan and per-GPU transition cost"),
-    "convert": ("hybridrl.models.convert_cli", "convert checkpoints between Hugging Face and Megatron"),
-    "bench": ("hybridrl.bench_cli", "run a benchmark from the source tree's benchmarks/"),
-    "submit": ("hybridrl.launch.submit_cli", "submit a training job to Slurm"),
-    "report": ("hybridrl.trainer.report_cli", "plots and a Markdown summary of a run's metrics.jsonl"),
+    "train": ("hybridrl.cli.train", "run an RL algorithm from a YAML config (default: tiny ReMax on CPU)"),
+    "plan": ("hybridrl.cli.plan", "print the 3D-HybridEngine plan and per-GPU transition cost"),
+    "convert": ("hybridrl.cli.convert", "convert checkpoints between Hugging Face and Megatron"),
+    "bench": ("hybridrl.cli.bench", "run a benchmark from the source tree's benchmarks/"),
+    "submit": ("hybridrl.cli.submit", "submit a training job to Slurm"),
+    "report": ("hybridrl.cli.report", "plots and a Markdown summary of a run's metrics.jsonl"),
 }
 
 
@@ -52,7 +57,3 @@ def main(argv: list[str] | None = None) -> int:
               f"Available now: {ready}.", file=sys.stderr)
         return 2
     return int(args.handler(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
