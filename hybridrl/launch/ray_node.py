@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hybridrl.launch.cluster_wait import ClusterNotReady, tcp_reachable, wait_for_cluster
 
@@ -258,15 +259,6 @@ def run_node(args: argparse.Namespace) -> int:
     exactly its processes and delete its temp dir. Exits non-zero when Ray dies on its own."""
     ip = node_ip(args.ip_mode, args.node_index)
     ports = node_ports(args.port_base, args.node_index, args.ip_mode == "loopback")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HYBRIDRL_NODE_NAME=args.node_name,
-               HYBRIDRL_NODE_IP=ip)
-    env.setdefault("RAY_AUTH_MODE", "disabled")  # every node and the driver must agree (a mismatch: minutes of retries)
-    # Ray's startup waits (agent port files, node registration) are tight for busy nodes
-    env.setdefault("RAY_agent_register_timeout_ms", "120000")
-    env.setdefault("RAY_worker_niceness", "0")  # workers are the compute: not below Ray's own daemons
-    env.setdefault("RAY_raylet_start_wait_time_s", "120")
-    if args.ip_mode == "loopback":
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # collectives between the fake nodes stay on loopback
     stop_requested: list[int] = []
 
     def on_signal(signum, _frame):
@@ -281,44 +273,67 @@ def run_node(args: argparse.Namespace) -> int:
                      args.node_name, args.role, taken)
         return 5
     if args.role == "worker":
-        deadline = time.monotonic() + args.head_timeout
-        while not tcp_reachable(args.head_address):
-            if stop_requested:
-                return 0
-            if time.monotonic() > deadline:
-                logger.error("node %s: Ray head at %s not reachable after %.0f s; not joining",
-                             args.node_name, args.head_address, args.head_timeout)
-                return 3
-            time.sleep(0.5)
-
-    num_cpus = args.num_cpus
-    if num_cpus is None and os.environ.get("SLURM_JOB_CPUS_PER_NODE"):
-        # what Slurm gave this job on this node, not the whole machine (Ray's own guess)
-        per_node = slurm_cpus_per_node(os.environ["SLURM_JOB_CPUS_PER_NODE"])
-        num_cpus = per_node[min(args.node_index, len(per_node) - 1)]
+        waited = _wait_for_head(args, stop_requested)
+        if waited is not None:
+            return waited
     Path(args.temp_dir).mkdir(parents=True, exist_ok=True)
     cmd = ray_start_command(args.role, args.node_name, ip, ports, args.temp_dir,
-                            args.head_address, num_cpus, args.num_gpus, args.object_store_bytes)
+                            args.head_address, _num_cpus(args), args.num_gpus, args.object_store_bytes)
     logger.info("node %s (%s) starting Ray %s at %s: %s", args.node_name, args.node_index, args.role, ip,
                 " ".join(cmd))
-    import psutil
+    import psutil  # node helper: only once Ray is to be started
 
     me = psutil.Process()
     known: dict[int, psutil.Process] = {}  # every process Ray started here, even after reparenting
+    child, rc = _supervise(args, cmd, _ray_env(args, ip), stop_requested, me, known)
+    if stop_requested:
+        logger.info("node %s: signal %d, stopping Ray", args.node_name, stop_requested[0])
+    return _stop_node(args, child, me, known, rc)
+
+
+def _ray_env(args: argparse.Namespace, ip: str) -> dict[str, str]:
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HYBRIDRL_NODE_NAME=args.node_name,
+               HYBRIDRL_NODE_IP=ip)
+    env.setdefault("RAY_AUTH_MODE", "disabled")  # every node and the driver must agree (a mismatch: minutes of retries)
+    # Ray's startup waits (agent port files, node registration) are tight for busy nodes
+    env.setdefault("RAY_agent_register_timeout_ms", "120000")
+    env.setdefault("RAY_worker_niceness", "0")  # workers are the compute: not below Ray's own daemons
+    env.setdefault("RAY_raylet_start_wait_time_s", "120")
+    if args.ip_mode == "loopback":
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # collectives between the fake nodes stay on loopback
+    return env
+
+
+def _wait_for_head(args: argparse.Namespace, stop_requested: list[int]) -> int | None:
+    """A worker node waits for the head's port: None once reachable, else the exit code (0 when stopped)."""
+    deadline = time.monotonic() + args.head_timeout
+    while not tcp_reachable(args.head_address):
+        if stop_requested:
+            return 0
+        if time.monotonic() > deadline:
+            logger.error("node %s: Ray head at %s not reachable after %.0f s; not joining",
+                         args.node_name, args.head_address, args.head_timeout)
+            return 3
+        time.sleep(0.5)
+    return None
+
+
+def _num_cpus(args: argparse.Namespace) -> int | None:
+    if args.num_cpus is None and os.environ.get("SLURM_JOB_CPUS_PER_NODE"):
+        # what Slurm gave this job on this node, not the whole machine (Ray's own guess)
+        per_node = slurm_cpus_per_node(os.environ["SLURM_JOB_CPUS_PER_NODE"])
+        return per_node[min(args.node_index, len(per_node) - 1)]
+    return args.num_cpus
+
+
+def _supervise(args: argparse.Namespace, cmd: list[str], env: dict[str, str], stop_requested: list[int], me: Any,
+               known: dict) -> tuple[subprocess.Popen, int]:
+    """Run `ray start --block` until a signal; when Ray dies on its own, start it again up to
+    --start-attempts times. Returns the last child and the exit code so far."""
     rc = 0
     for attempt in range(1, args.start_attempts + 1):
         child = subprocess.Popen(cmd, env=env)
-        rc = 0
-        while not stop_requested:
-            try:
-                known.update((p.pid, p) for p in me.children(recursive=True))
-            except psutil.Error:
-                pass
-            rc_child = child.poll()
-            if rc_child is not None and not stop_requested:
-                rc = rc_child or 1
-                break
-            time.sleep(0.5)
+        rc = _watch(child, stop_requested, me, known)
         if stop_requested:
             break
         # Ray died on its own. On a crowded node its start can time out (an agent that imports
@@ -332,8 +347,27 @@ def run_node(args: argparse.Namespace) -> int:
         subprocess.run(["rm", "-rf", args.temp_dir], check=False)
         Path(args.temp_dir).mkdir(parents=True, exist_ok=True)
         logger.info("node %s: starting Ray %s again", args.node_name, args.role)
-    if stop_requested:
-        logger.info("node %s: signal %d, stopping Ray", args.node_name, stop_requested[0])
+    return child, rc
+
+
+def _watch(child: subprocess.Popen, stop_requested: list[int], me: Any, known: dict) -> int:
+    """Wait for a signal or the child's exit, recording every process Ray starts; the child's code or 0."""
+    import psutil  # node helper: only once Ray is to be started
+
+    while not stop_requested:
+        try:
+            known.update((p.pid, p) for p in me.children(recursive=True))
+        except psutil.Error:
+            pass
+        rc_child = child.poll()
+        if rc_child is not None and not stop_requested:
+            return rc_child or 1
+        time.sleep(0.5)
+    return 0
+
+
+def _stop_node(args: argparse.Namespace, child: subprocess.Popen, me: Any, known: dict, rc: int) -> int:
+    """Stop exactly this node's Ray processes and delete its temp dir; non-zero when any survived."""
     stopped = stop_ray_processes(args.temp_dir, grace_s=args.grace,
                                  also=list(known.values()) + me.children(recursive=True))
     if child.poll() is None:
