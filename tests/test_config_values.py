@@ -38,6 +38,8 @@ BAD = {
     "rollout.partial": "maybe", "rollout.routing_replay": "maybe", "rollout.record_routing": "maybe",
     "rollout.env": "no_such_env", "rollout.env_kwargs": "{turns: 2}", "rollout.max_turns": 0,
     "rollout.max_episode_tokens": 0, "rollout.turn_discount": 1.5,
+    "rollout.vllm.dtype": "int8", "rollout.vllm.kv_cache_memory_bytes": 0, "rollout.vllm.gpu_memory_utilization": 1.5,
+    "rollout.vllm.enable_prefix_caching": "maybe", "rollout.vllm.enable_sleep_mode": "maybe",
     "reward.fn": "no_such_module_xyz:score", "reward.cost_fn": "no_such_module_xyz:cost",
     "reward.num_workers": -1,
     **{f"{section}.{key}": value for section in ("reward_model", "cost_model") for key, value in SCORER_BAD.items()},
