@@ -18,10 +18,10 @@ from hub_cache import commit_of, offline_hub, put_in_hub_cache
 from hybridrl.cli import main as cli_main
 from hybridrl.controller import resource_pool
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
-from hybridrl.models.hub import ModelReferenceError, pinned_reference, resolve_model
+from hybridrl.models.hub import ModelReferenceError, pinned_reference, resolve_model, tokenizer_folder
 from hybridrl.models.tiny import create_tiny_model, default_model_dir
 
-REPO, RM_REPO = "acme/tiny-llama", "acme/tiny-rm"
+REPO, RM_REPO, LORA_REPO = "acme/tiny-llama", "acme/tiny-rm", "acme/tiny-rm-lora"
 OLD = commit_of(REPO, "old")
 
 
@@ -37,7 +37,10 @@ def models(tmp_path_factory):
     rm = create_tiny_model(root / "rm", vocab_size=VOCAB_SIZE, hidden=32, layers=2, head="seq_cls", seed=3)
     for folder in (llama, old, rm):
         create_char_tokenizer(folder)
-    return {"llama": llama, "old": old, "rm": rm}
+    lora = root / "lora"  # a PEFT adapter's config, naming its base by hub id (no tokenizer of its own)
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": REPO}))
+    return {"llama": llama, "old": old, "rm": rm, "lora": lora}
 
 
 @pytest.fixture
@@ -46,6 +49,7 @@ def hub(tmp_path, monkeypatch, models):
     cache = tmp_path / "hub"
     snapshots = {REPO: put_in_hub_cache(cache, REPO, models["llama"]),
                  RM_REPO: put_in_hub_cache(cache, RM_REPO, models["rm"]),
+                 LORA_REPO: put_in_hub_cache(cache, LORA_REPO, models["lora"]),
                  OLD: put_in_hub_cache(cache, REPO, models["old"], commit=OLD, main=False)}
     offline_hub(monkeypatch, cache)
     return cache, snapshots
@@ -69,6 +73,9 @@ def test_every_kind_of_reference_resolves_to_a_local_folder(hub, models, tmp_pat
     assert resolve_model(str(models["llama"])) == str(models["llama"])
     assert resolve_model(None) == resolve_model("tiny:llama") == str(default_model_dir())
     assert pinned_reference(REPO) == f"{REPO}@{commit_of(REPO)}" and pinned_reference("tiny:llama") == "tiny:llama"
+    assert resolve_model(LORA_REPO) == str(snapshots[LORA_REPO])  # an adapter folder stands where a model does
+    assert tokenizer_folder(snapshots[LORA_REPO]) == str(snapshots[REPO])  # its tokenizer: its base's
+    assert tokenizer_folder(snapshots[RM_REPO]) == str(snapshots[RM_REPO])
 
     with pytest.raises(ModelReferenceError) as missing:
         resolve_model("acme/missing", "actor.model.path")
@@ -77,7 +84,7 @@ def test_every_kind_of_reference_resolves_to_a_local_folder(hub, models, tmp_pat
     with pytest.raises(ModelReferenceError, match="no Hugging Face model folder there, and not a hub id"):
         resolve_model(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelReferenceError, match="expected config.json, or adapter_config.json"):
+    with pytest.raises(ModelReferenceError, match="no config.json in .* a PEFT adapter has adapter_config.json"):
         resolve_model(str(tmp_path / "empty"))
 
     # HF_HOME is honoured when HF_HUB_CACHE is not set: its hub/ folder is the cache
@@ -111,6 +118,7 @@ def test_train_plans_hub_ids_and_refuses_an_unknown_one_before_ray(hub, capsys):
 
 
 def test_plan_and_convert_take_hub_ids(hub, tmp_path, capsys):
+    from hybridrl.config import load_config
     from test_plan_cli import _plan
 
     assert _plan("--model", REPO, "--train-tp", "2", "--json") == 0
@@ -118,6 +126,10 @@ def test_plan_and_convert_take_hub_ids(hub, tmp_path, capsys):
     assert report["model"] == REPO and report["train"]["tp"] == 2 and report["model_bytes"] > 0
     assert _plan("--model", "acme/missing") == 2
     assert "--model='acme/missing'" in capsys.readouterr().err
+    written = tmp_path / "auto.yaml"  # --auto searches on the cached model and writes the id, not the cache path
+    assert _plan("--auto", "--model", REPO, "--algorithm", "remax", "--gpus", "2", "--batch", "8", "--prompt-len",
+                 "16", "--response-len", "16", "--write-config", str(written)) == 0
+    assert load_config(written).actor.model.path == REPO and REPO in capsys.readouterr().out
     assert cli_main(["convert", "--from", "hf", "--to", "mcore", "acme/missing", str(tmp_path / "out")]) == 2
     assert "SRC='acme/missing': not in the Hugging Face cache" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -133,13 +145,19 @@ def _submit(capsys, *args: str) -> tuple[int, str, str]:
 def test_submit_pins_hub_revisions_and_checks_the_nodes_see_the_files(hub, tmp_path, capsys):
     cache, snapshots = hub
     rc, script, err = _submit(capsys, "--dry-run", "--model-files", "staged", f"actor.model.path={REPO}",
-                              f"trainer.run_dir={tmp_path / 'run'}")
+                              f"reward_model.model={LORA_REPO}", f"trainer.run_dir={tmp_path / 'run'}")
     assert rc == 0, err
     assert f"actor.model.path={REPO}@{commit_of(REPO)}" in script  # a requeued job reads the same commit
+    assert f"reward_model.model={LORA_REPO}@{commit_of(LORA_REPO)}" in script
     assert f"export HF_HUB_CACHE={cache}" in script and "export HF_HUB_OFFLINE=1" in script
     # shared (the default): the cache is on this machine's own disk here, which other nodes do not see
+    from hybridrl.launch.model_files import node_local_filesystem
+
+    local = node_local_filesystem(cache)
+    assert local, "the test's cache (pytest's tmp_path) should be on this machine's own disk"
     rc, _, err = _submit(capsys, "--dry-run", f"actor.model.path={REPO}")
-    assert rc == 2 and "actor.model.path: its files" in err and "--model-files staged" in err
+    assert rc == 2 and f"actor.model.path: its files ({snapshots[REPO]}) are on {local}" in err
+    assert "--model-files staged" in err
     rc, _, err = _submit(capsys, "--dry-run", "--ip-mode", "loopback", f"actor.model.path={REPO}")  # one host
     assert rc == 0, err
     # a dry run downloads nothing: an id missing from the cache is a note; a submission refuses it

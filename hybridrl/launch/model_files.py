@@ -15,7 +15,6 @@ and this machine's HF_HUB_CACHE, so every node, and a requeued job hours later, 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -71,24 +70,13 @@ def node_local_filesystem(path: str | Path, mounts_file: str = "/proc/mounts") -
     return f"{fs_type} at {point}" if fs_type in LOCAL_FILESYSTEMS else None
 
 
-def adapter_base(folder: str | Path) -> str | None:
-    """The base model a PEFT adapter folder names (adapter_config.json base_model_name_or_path), else None."""
-    config = Path(folder) / "adapter_config.json"
-    if not config.is_file():
-        return None
-    try:
-        return json.loads(config.read_text()).get("base_model_name_or_path") or None
-    except (OSError, ValueError):
-        return None
-
-
 def prepare_model_files(cfg: Any, mode: str = "shared", download: bool = True) -> ModelFiles:
     """Resolve every model of `cfg` here (download=False: from the cache only, as a dry run does), pin hub ids to
     their commits and, in shared mode, refuse folders on a node-local filesystem. ModelFilesError names the
     option."""
     # start-up time: hybridrl.models imports torch; `hybridrl submit --help` and --command jobs do without
-    from hybridrl.models.hub import (hub_cache_dir, is_hub_reference, parse_hub_id, resolve_model, resolve_reference,
-                                     snapshot_revision)
+    from hybridrl.models.hub import (adapter_base, hub_cache_dir, is_hub_reference, parse_hub_id, resolve_model,
+                                     resolve_reference, snapshot_revision)
 
     if mode not in MODEL_FILES_MODES:
         raise ModelFilesError(f"--model-files {mode!r}: choose one of {list(MODEL_FILES_MODES)}")

@@ -13,6 +13,7 @@ id and the cache searched.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -63,8 +64,8 @@ def resolve_model(ref: str | Path | None, where: str = "model", cache_only: bool
     holds config.json or, for a PEFT adapter, adapter_config.json. cache_only: no download, as HF_HUB_OFFLINE=1."""
     folder = resolve_reference(ref, where, cache_only)
     if not any((Path(folder) / name).is_file() for name in MODEL_FILES):
-        raise ModelReferenceError(f"{where}={str(ref)!r}: no Hugging Face model folder at {folder} (expected "
-                                  f"config.json, or adapter_config.json for a PEFT adapter)")
+        raise ModelReferenceError(f"{where}={str(ref)!r}: no config.json in {folder} (a Hugging Face model folder "
+                                  f"has one; a PEFT adapter has adapter_config.json)")
     return folder
 
 
@@ -83,6 +84,26 @@ def resolve_reference(ref: str | Path | None, where: str = "model", cache_only: 
         raise ModelReferenceError(f"{where}={str(ref)!r}: no Hugging Face model folder there, and not a hub id "
                                   f"(org/name[@revision]); give a local folder, a hub id or a tiny:<name>")
     return _snapshot(*parsed, where=where, offline=cache_only or hub_offline())
+
+
+def adapter_base(folder: str | Path) -> str | None:
+    """The base model reference a PEFT adapter folder names (adapter_config.json base_model_name_or_path)."""
+    config = Path(folder) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("base_model_name_or_path") or None
+    except (OSError, ValueError):
+        return None
+
+
+def tokenizer_folder(folder: str | Path) -> str:
+    """Where a model folder's tokenizer is: the folder, or for a PEFT adapter without tokenizer files its base
+    model's (resolved like any reference)."""
+    base = adapter_base(folder)
+    if base is None or any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return str(folder)
+    return resolve_reference(base, f"{folder}/adapter_config.json base_model_name_or_path")
 
 
 def snapshot_revision(folder: str | Path) -> str | None:

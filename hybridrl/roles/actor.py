@@ -52,8 +52,8 @@ class Actor(Role):
         settings = RoleConfig(model=ModelConfig(path, dtype), moe=as_section(MoeConfig, moe, "Actor(moe=...)"),
                               optim=as_section(OptimConfig, optim, "Actor(optim=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
-        if isinstance(rollout, dict):  # the short API's engine unless named: native (the trainer resolves auto)
-            rollout = {"engine": "native", **rollout}
+        if rollout is None or isinstance(rollout, dict):  # the short API's engine unless named: native (the
+            rollout = {"engine": "native", **(rollout or {})}  # trainer resolves auto)
         self._start(settings, as_section(RolloutConfig, rollout, "Actor(rollout=...)"),
                     as_section(PolicyLossConfig, loss, "Actor(loss=...)"), parallel, resource_pool,
                     tokenizer_for(path, tokenizer), seed, role, call_timeout_s)

@@ -13,7 +13,7 @@ import torch
 from hybridrl.config import ParallelConfig, ScoreModelConfig
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
-from hybridrl.models.hub import resolve_model, resolve_reference
+from hybridrl.models.hub import resolve_model, resolve_reference, tokenizer_folder
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, parallel_argument
@@ -117,14 +117,14 @@ class TextScoring:
     def __init__(self, model_path: str, tokenizer: Any = None, chat_template: bool | None = None,
                  format: str | None = None) -> None:  # noqa: A002 - the option's name
         model_path = resolve_model(model_path, "RewardModel(model=...)")
-        folder = Path(model_path)
+        folder = Path(tokenizer_folder(model_path))  # a PEFT adapter without tokenizer files: its base's
         if isinstance(tokenizer, (str, Path)):
             tokenizer = resolve_reference(tokenizer, "RewardModel(tokenizer=...)")
         # own: the tokenizer was chosen for this model (given, or in its folder); else the bundled one, and
         # the model is taken to read the actor's token ids (the tiny test models have no tokenizer files)
         self.own = tokenizer is not None or (folder / "tokenizer_config.json").is_file() \
             or (folder / "tokenizer.json").is_file()
-        self.tokenizer = tokenizer_for(model_path, tokenizer)
+        self.tokenizer = tokenizer_for(folder, tokenizer)
         self.format, self.format_fields = format, check_score_format(format, "RewardModel(format=...)")
         if format is not None and chat_template:
             raise ValueError("RewardModel: give format= (a format string) or chat_template=True, not both")
