@@ -8,7 +8,6 @@ HF_HUB_OFFLINE=1, so nothing waits on a network timeout. Nothing in this module 
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -93,7 +92,7 @@ def test_every_kind_of_reference_resolves_to_a_local_folder(hub, models, tmp_pat
     with pytest.raises(ModelReferenceError, match=str(tmp_path / "home" / "hub")):
         resolve_model(REPO)
     put_in_hub_cache(tmp_path / "home" / "hub", REPO, models["llama"])
-    assert resolve_model(REPO) == str(tmp_path / "home" / "hub" / f"models--acme--tiny-llama" / "snapshots" /
+    assert resolve_model(REPO) == str(tmp_path / "home" / "hub" / "models--acme--tiny-llama" / "snapshots" /
                                       commit_of(REPO))
 
 

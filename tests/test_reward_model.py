@@ -143,7 +143,8 @@ def test_rm_with_its_own_tokenizer_at_tp2_and_the_seed_lines(ray_two_devices, rm
             reward_model.score(PROMPTS, out.sequences)
 
         # the same model trained on HH-RLHF dialogues scores "\n\nHuman: ...\n\nAssistant: ..." texts
-        hh_model = hybridrl.RewardModel(model=str(rm_own_tokenizer), resource_pool=pool, format=HH_FORMAT)
+        hh_model = hybridrl.RewardModel(model=str(rm_own_tokenizer), resource_pool=pool, format=HH_FORMAT,
+                                        role="hh_reward")
         formatted = [HH_FORMAT.format(prompt=p, response=r) for p, r in zip(PROMPTS, out.texts)]
         expected = _hf_scores(rm_own_tokenizer, PROMPTS, out.texts, chat=False, texts=formatted)
         assert (hh_model.score(PROMPTS, out) - expected).abs().max() <= 1e-5

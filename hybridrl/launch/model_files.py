@@ -77,6 +77,7 @@ def prepare_model_files(cfg: Any, mode: str = "shared", download: bool = True) -
     # start-up time: hybridrl.models imports torch; `hybridrl submit --help` and --command jobs do without
     from hybridrl.models.hub import (adapter_base, hub_cache_dir, is_hub_reference, parse_hub_id, resolve_model,
                                      resolve_reference, snapshot_revision)
+    from hybridrl.models.tiny import TINY_PREFIX
 
     if mode not in MODEL_FILES_MODES:
         raise ModelFilesError(f"--model-files {mode!r}: choose one of {list(MODEL_FILES_MODES)}")
@@ -101,7 +102,11 @@ def prepare_model_files(cfg: Any, mode: str = "shared", download: bool = True) -
     if files.notes or any(snapshot_revision(folder) for folder in files.folders.values()):
         files.env = {"HF_HUB_CACHE": str(hub_cache_dir()), "HF_HUB_OFFLINE": "1"}
     if mode == "shared":
-        _check_shared(files.folders)
+        tiny = {o for o, ref, _ in wanted if o in files.folders and (ref is None or str(ref).startswith(TINY_PREFIX))}
+        _check_shared({o: f for o, f in files.folders.items() if o not in tiny})
+        files.notes += [f"{o}: the bundled tiny model is created on first use under {files.folders[o]}, on "
+                        f"{node_local_filesystem(files.folders[o])}; nodes that do not share it need HYBRIDRL_CACHE "
+                        f"on a shared filesystem" for o in sorted(tiny) if node_local_filesystem(files.folders[o])]
     return files
 
 
