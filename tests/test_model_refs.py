@@ -113,6 +113,9 @@ def test_train_plans_hub_ids_and_refuses_an_unknown_one_before_ray(hub, capsys):
     assert cli_main(["train", "--check", "reward_model.model=acme/missing", "algorithm.name=ppo"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "reward_model.model='acme/missing'" in err and "HF_HUB_OFFLINE" in err
+    assert cli_main(["train", "--check", f"reward_model.model={RM_REPO}", "reward_model.tokenizer=acme/missing-tok",
+                     "algorithm.name=ppo"]) == 2
+    assert "reward_model.tokenizer='acme/missing-tok': no local folder of that name" in capsys.readouterr().err
     assert not _ray_running()
 
 
@@ -130,7 +133,7 @@ def test_plan_and_convert_take_hub_ids(hub, tmp_path, capsys):
                  "16", "--response-len", "16", "--write-config", str(written)) == 0
     assert load_config(written).actor.model.path == REPO and REPO in capsys.readouterr().out
     assert cli_main(["convert", "--from", "hf", "--to", "mcore", "acme/missing", str(tmp_path / "out")]) == 2
-    assert "SRC='acme/missing': not in the Hugging Face cache" in capsys.readouterr().err
+    assert "SRC='acme/missing': no local folder of that name, not in the Hugging Face cache" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

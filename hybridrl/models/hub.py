@@ -140,7 +140,8 @@ def _snapshot(repo_id: str, revision: str | None, where: str, offline: bool) -> 
     except LocalEntryNotFoundError:
         why = "no download (HF_HUB_OFFLINE=1 or a dry run)" if offline else "the hub is not reachable"
         raise ModelReferenceError(
-            f"{where}={name!r}: not in the Hugging Face cache {cache} and {why}; download it where the hub is "
+            f"{where}={name!r}: no local folder of that name, not in the Hugging Face cache {cache}, and {why}; "
+            f"download it where the hub is "
             f"reachable (`hf download {repo_id}{f' --revision {revision}' if revision else ''}` with HF_HUB_CACHE="
             f"{cache}) or set HF_HUB_CACHE / HF_HOME to a cache that holds it") from None
     except GatedRepoError:
@@ -149,8 +150,8 @@ def _snapshot(repo_id: str, revision: str | None, where: str, offline: bool) -> 
     except RevisionNotFoundError:
         raise ModelReferenceError(f"{where}={name!r}: the hub has no revision {revision!r} of {repo_id}") from None
     except RepositoryNotFoundError:
-        raise ModelReferenceError(f"{where}={name!r}: no such model on the hub (a private one needs HF_TOKEN); "
-                                  f"check the id") from None
+        raise ModelReferenceError(f"{where}={name!r}: no local folder of that name and no such model on the hub (a "
+                                  f"private one needs HF_TOKEN); check the path or id") from None
     except (HfHubHTTPError, OSError) as exc:
         raise ModelReferenceError(f"{where}={name!r}: download into {cache} failed: "
                                   f"{' '.join(str(exc).split())}") from None
