@@ -50,7 +50,7 @@ class OptimConfig:
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # Hugging Face folder; None: the bundled tiny model (created on first use)
+    path: Optional[str] = None  # HF folder, hub id org/name[@revision] or tiny:<name>; None: the bundled tiny model
     dtype: str = "float32"  # float32 | bfloat16
 
 
@@ -184,7 +184,7 @@ class RewardConfig:
 class ScoreModelConfig:
     """A frozen scoring model (reward_model:, cost_model:): where it runs is its own choice, not ref's."""
 
-    model: Optional[str] = None  # HF *ForSequenceClassification folder; None: no such model (rule reward)
+    model: Optional[str] = None  # HF *ForSequenceClassification folder or hub id org/name[@rev]; None: rule reward
     dtype: str = "float32"  # float32 | bfloat16
     pool: str = "default"  # resource pool name; roles on one pool colocate
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -192,6 +192,9 @@ class ScoreModelConfig:
     max_tokens_per_micro_batch: Optional[int] = 8192  # pack sequences into micro-batches of at most this many tokens
     tokenizer: Optional[str] = None  # None: the model folder's own tokenizer
     chat_template: Optional[bool] = None  # None: use the tokenizer's chat template when the folder declares one
+    # the text the model was trained on, over {prompt}, {response} and row fields, e.g. "\n\nHuman: {prompt}\n\n
+    # Assistant: {response}"; None: the chat template (above), else prompt + response
+    format: Optional[str] = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ SCORER_BAD = {  # per score-model section (reward_model, cost_model)
     "model": "/nonexistent/rm", "dtype": "int8", "pool": "''", "parallel.tp": 0, "parallel.pp": 0,
     "parallel.dp": 0, "parallel.sequence_parallel": "maybe", "micro_batch_size": 0,
     "max_tokens_per_micro_batch": 0, "tokenizer": "/nonexistent/tok", "chat_template": "maybe", "parallel.ep": 0,
-    "parallel.expert_tp": 0,
+    "parallel.expert_tp": 0, "format": "'Human: {prompt}'",
 }
 BAD = {
     "algorithm.name": "nope", "algorithm.module": "no_such_module_xyz", "algorithm.gamma": 1.5,

@@ -144,6 +144,19 @@ def test_bad_config_refused_before_start(ray_cluster):
         ResourcePool(devices=8).placement_groups()
 
 
+def test_default_pool_takes_every_device_of_the_running_cluster(ray_cluster, monkeypatch):
+    """Roles without a pool share ResourcePool.default(): with Ray running, all of its devices; a pool placed on a
+    cluster that has since stopped is replaced by a fresh one."""
+    from hybridrl.controller import resource_pool
+
+    monkeypatch.setattr(resource_pool, "_default_pool", None)
+    monkeypatch.delenv("HYBRIDRL_DEVICES", raising=False)
+    pool = ResourcePool.default()
+    assert (pool.nodes, pool.devices_per_node, pool.name) == (1, 4, "default") and ResourcePool.default() is pool
+    pool._cluster = "127.0.0.1:1"  # as if placed on an earlier cluster
+    assert pool.placed_elsewhere() and ResourcePool.default() is not pool
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.describe().replace(", ", "-"))
 def test_dispatch_modes(main_pool, layout: ParallelLayout):
     group = WorkerGroup(main_pool, ProbeWorker, layout=layout, role="probe")

@@ -2,6 +2,8 @@
 
 - an RM whose vocabulary differs from the actor's scores (prompt, response) texts at TP=2 exactly as
   transformers' sequence classifier scores the same strings; given the actor's Rollout it re-tokenises;
+- a reward model trained on a dialogue format reads (prompt, response) in that format (`format=`, over the
+  prompt, the response and row fields): its scores equal transformers' on the same formatted text;
 - the project's 6-line ReMax step (below, verbatim) runs with a model RM and with a rule RM;
 - the short API checks the prompts it is given against the sequences' own (a mismatch is an error).
 """
@@ -16,24 +18,29 @@ from hybridrl.api import TextScoring, check_prompts, encode_prompts
 from hybridrl.data.tokenizer import load_tokenizer
 
 PROMPTS = ["vowels: qzkt", "vowels: bcdf", "vowels: rkjm", "vowels: lfkp"]
+HH_FORMAT = "\n\nHuman: {prompt}\n\nAssistant: {response}"  # Anthropic HH-RLHF's dialogue format
 
 
-def _rm_ids(prompt: str, response: str, chat: bool) -> list[int]:
-    """The RM's token ids, written out by hand from RM_VOCAB (independent of the tokenizer code)."""
+def _rm_ids(prompt: str, response: str, chat: bool, text: str | None = None) -> list[int]:
+    """The RM's token ids, written out by hand from RM_VOCAB (independent of the tokenizer code); `text`: the
+    whole input already formatted (BOS + its characters)."""
     index = {token: i for i, token in enumerate(RM_VOCAB)}
     chars = lambda text: [index.get(c, index["<unk>"]) for c in text]  # noqa: E731
+    if text is not None:
+        return [index["<|bos|>"]] + chars(text)
     if chat:
         return [index["<|bos|>"]] + chars(f"<user>{prompt}<assistant>{response}") + [index["<|eos|>"]]
     return [index["<|bos|>"]] + chars(prompt + response)
 
 
-def _hf_scores(rm_own_tokenizer, prompts, responses, chat: bool) -> torch.Tensor:
+def _hf_scores(rm_own_tokenizer, prompts, responses, chat: bool, texts: list[str] | None = None) -> torch.Tensor:
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(str(rm_own_tokenizer), dtype=torch.float32)
+    texts = texts or [None] * len(prompts)
     with torch.no_grad():
-        return torch.tensor([model(input_ids=torch.tensor([_rm_ids(p, r, chat)])).logits[0, 0].item()
-                             for p, r in zip(prompts, responses)])
+        return torch.tensor([model(input_ids=torch.tensor([_rm_ids(p, r, chat, t)])).logits[0, 0].item()
+                             for p, r, t in zip(prompts, responses, texts)])
 
 
 # ---- without Ray ---------------------------------------------------------------------------------------
@@ -60,6 +67,29 @@ def test_text_scoring_tokenizes_with_the_rm_tokenizer(rm_own_tokenizer, tmp_path
         TextScoring(str(rm_own_tokenizer), tokenizer=str(tmp_path / "plain_tok"), chat_template=True)
     with pytest.raises(ValueError, match="no Hugging Face model folder"):
         hybridrl.RewardModel(model=str(tmp_path / "nowhere"))
+
+
+def test_text_scoring_in_the_models_own_format(rm_own_tokenizer):
+    from hybridrl.config import load_config
+    from hybridrl.trainer.config_checks import check_values
+
+    hh = TextScoring(str(rm_own_tokenizer), format=HH_FORMAT)  # the format wins over the folder's chat template
+    assert not hh.chat_template and not hh.reads_ids_of(hh.tokenizer)
+    assert hh.render(["ab"], ["c"]) == ["\n\nHuman: ab\n\nAssistant: c"]
+    assert hh.texts_to_ids(["ab"], ["c"]) == [_rm_ids("", "", False, "\n\nHuman: ab\n\nAssistant: c")]
+    rows = TextScoring(str(rm_own_tokenizer), format="[{task}] {prompt} = {response}")  # a row's own field
+    assert rows.render(["ab", "cd"], ["1", "2"], [{"task": "x"}, {"task": "y"}]) == ["[x] ab = 1", "[y] cd = 2"]
+    with pytest.raises(ValueError, match=r"names \['task'\], which row 0 does not have"):
+        rows.render(["ab"], ["1"])
+    with pytest.raises(ValueError, match="not both"):
+        TextScoring(str(rm_own_tokenizer), format=HH_FORMAT, chat_template=True)
+    with pytest.raises(ValueError, match="has no {response} field"):
+        hybridrl.RewardModel(model=str(rm_own_tokenizer), format="Human: {prompt}")
+    with pytest.raises(ValueError, match="format= belong to a reward model"):
+        hybridrl.RewardModel(fn="hybridrl.data.tasks:charset_reward", format=HH_FORMAT)
+    cfg = load_config(None, ["reward_model.format='{0}{response}'"])  # quoted: YAML reads {..} as a mapping
+    with pytest.raises(ValueError, match=r"reward_model.format='\{0\}\{response\}': fields must be plain names"):
+        check_values(cfg)
 
 
 def test_prompts_are_checked_against_the_sequences():
@@ -111,6 +141,14 @@ def test_rm_with_its_own_tokenizer_at_tp2_and_the_seed_lines(ray_two_devices, rm
             reward_model.score(out.sequences)  # the actor's ids mean nothing to this reward model
         with pytest.raises(TypeError, match="cannot be checked"):
             reward_model.score(PROMPTS, out.sequences)
+
+        # the same model trained on HH-RLHF dialogues scores "\n\nHuman: ...\n\nAssistant: ..." texts
+        hh_model = hybridrl.RewardModel(model=str(rm_own_tokenizer), resource_pool=pool, format=HH_FORMAT,
+                                        role="hh_reward")
+        formatted = [HH_FORMAT.format(prompt=p, response=r) for p, r in zip(PROMPTS, out.texts)]
+        expected = _hf_scores(rm_own_tokenizer, PROMPTS, out.texts, chat=False, texts=formatted)
+        assert (hh_model.score(PROMPTS, out) - expected).abs().max() <= 1e-5
+        assert (expected - texts_scores).abs().max() > 1e-3  # the format changes what the model reads
 
         # the seed's lines with this reward model, then with a rule reward
         beta = 0.001

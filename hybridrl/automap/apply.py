@@ -21,7 +21,7 @@ from hybridrl.automap.cost import Workload
 from hybridrl.automap.hardware import cpu_calibrated, detect_gpu
 from hybridrl.automap.search import Mapper, make_problem, mapping_json, pool_name
 from hybridrl.config import ROLE_SECTIONS, ConfigError, typed
-from hybridrl.models.tiny import resolve_model_path
+from hybridrl.models.hub import ModelReferenceError, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +47,17 @@ def apply_auto_map(cfg: Any) -> dict:
     work = Workload(prompts=data.batch_size, prompt_len=data.max_prompt_length, response_len=roll.max_new_tokens,
                     samples=roll.n, greedy=step.greedy_baseline, mini_batches=step.mini_batches, epochs=step.epochs,
                     old_log_probs=step.old_log_probs, max_decode_batch=roll.max_batch_size)
-    actor_path = resolve_model_path(cfg.actor.model.path)
+    try:  # hub ids and tiny: names as local folders (the plan resolves them again, from the cache at once)
+        actor_path = resolve_model(cfg.actor.model.path, "actor.model.path")
+        others = {name: resolve_model(ref, option) if ref else None for name, option, ref in (
+            ("critic_model", "critic.model.path", cfg.critic.model.path),
+            ("reward_model", "reward_model.model", cfg.reward_model.model),
+            ("cost_model", "cost_model.model", cfg.cost_model.model))}
+    except ModelReferenceError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         acc = _machine(devices, int(res.nodes), cfg.actor.model.dtype)
-        prob = make_problem(actor_path, alg.name, acc, devices, work, critic_model=cfg.critic.model.path,
-                            reward_model=cfg.reward_model.model, cost_model=cfg.cost_model.model,
-                            reference=step.reference)
+        prob = make_problem(actor_path, alg.name, acc, devices, work, reference=step.reference, **others)
         budget = cfg.actor.max_tokens_per_micro_batch
         prob.max_micro_batch = max(1, budget // work.tokens) if budget else cfg.actor.micro_batch_size
         result = Mapper(prob, "trainer").search(top_k=3)

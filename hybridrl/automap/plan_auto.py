@@ -92,7 +92,6 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
     work, roles = report["workload"], best["roles"]
     tokens = work["prompt_len"] + work["response_len"]
     sequences = work["prompts"] * work["samples_per_prompt"]
-    local = Path(model).is_dir()
     cfg: dict = {
         "algorithm": {"name": report["algorithm"], "ppo_epochs": work["epochs"],
                       "mini_batch_size": sequences // work["mini_batches"]},
@@ -115,15 +114,25 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
                        micro_batch_size=info["micro_batch_size"],
                        max_tokens_per_micro_batch=info["micro_batch_size"] * tokens)
         if role in ("reward", "cost"):
-            given = Path(reward_model).is_dir()
-            section.update(model=str(Path(reward_model).resolve()) if given else f"/path/to/{role}-model",
-                           dtype="bfloat16")
+            section.update(model=_config_model(reward_model, f"/path/to/{role}-model"), dtype="bfloat16")
         elif role in ("actor", "ref", "critic"):
-            section["model"] = {"dtype": "bfloat16", **({"path": str(Path(model).resolve()) if local else
-                                                          f"/path/to/{model}"} if role == "actor" else {})}
+            section["model"] = {"dtype": "bfloat16",
+                                **({"path": _config_model(model, f"/path/to/{model}")} if role == "actor" else {})}
     gen = roles["actor"]["generation"]
     cfg["rollout"].update(tp=gen["tp"], pp=gen["pp"])
     return cfg
+
+
+def _config_model(model: str, placeholder: str) -> str:
+    """How the written config names a model: a local folder by its absolute path, a hub id or tiny:<name> as
+    given, a preset (sizes only, no weights) by a placeholder path to fill in."""
+    # start-up time: hybridrl.models imports torch; this module comes with every `hybridrl` command's parser
+    from hybridrl.models.hub import parse_hub_id
+    from hybridrl.models.tiny import TINY_PREFIX
+
+    if Path(model).is_dir():
+        return str(Path(model).resolve())
+    return model if parse_hub_id(model) or model.startswith(TINY_PREFIX) else placeholder
 
 
 def write_config(report: dict, model: str, nodes_of: int, path: str | Path, reward_model: str = "same") -> Path:

@@ -1,8 +1,10 @@
 """`hybridrl convert`: Hugging Face <-> Megatron distributed checkpoints (hybridrl/models/convert.py does it).
 
-    hybridrl convert --from hf --to mcore --tp 2 --pp 2 [--ep E [--expert-tp T]] SRC_HF_DIR DST_MCORE_DIR
+    hybridrl convert --from hf --to mcore --tp 2 --pp 2 [--ep E [--expert-tp T]] SRC_HF DST_MCORE_DIR
     hybridrl convert --from mcore --to hf [--tp T --pp P] SRC_MCORE_DIR DST_HF_DIR
     hybridrl convert --from ckpt --to hf [--tp T --pp P] RUN/ckpt/step_N DST_HF_DIR   (a training run's actor)
+
+SRC_HF: a Hugging Face folder, a hub id org/name[@revision] (fetched into the HF cache first) or tiny:<name>.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "ranks, above it an expert is split over ranks of several DP replicas")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                         help="parameter dtype (auto: the HF config's dtype, else float32)")
-    parser.add_argument("src", help="source folder")
+    parser.add_argument("src", help="source folder (--from hf: also a hub id org/name[@revision] or tiny:<name>)")
     parser.add_argument("dst", help="destination folder (must not exist or be empty)")
 
 
@@ -52,11 +54,14 @@ def run(args: argparse.Namespace) -> int:
     from hybridrl.models.config import CheckpointError
     from hybridrl.models.convert import ConvertError, convert, plan
     from hybridrl.models.families import UnsupportedModelError
+    from hybridrl.models.hub import ModelReferenceError, resolve_model
 
     try:
+        if args.source_format == "hf":
+            args.src = resolve_model(args.src, "SRC")
         job = plan(args.source_format, args.target_format, args.src, args.dst, args.tp, args.pp, args.dtype, args.ep,
                    getattr(args, "expert_tp", None), actor_checkpoint=_actor_checkpoint)
-    except (ConvertError, CheckpointError, UnsupportedModelError, LayoutError) as exc:
+    except (ConvertError, CheckpointError, UnsupportedModelError, LayoutError, ModelReferenceError) as exc:
         print(f"hybridrl convert: error: {exc}", file=sys.stderr)
         return 2
     convert(job)

@@ -27,7 +27,8 @@ from hybridrl.parallel.layout import LayoutError, ParallelLayout
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help=f"preset ({', '.join(PRESETS)}) or a local Hugging Face config folder")
+                        help=f"preset ({', '.join(PRESETS)}), a local Hugging Face config folder, a hub id "
+                             f"org/name[@revision] or tiny:<name>")
     for role, name in (("train", "training"), ("gen", "generation")):
         parser.add_argument(f"--{role}-tp", type=int, default=1, help=f"{name} tensor-parallel size")
         parser.add_argument(f"--{role}-pp", type=int, default=1, help=f"{name} pipeline-parallel size")
@@ -149,14 +150,30 @@ def _print_auto(report: dict) -> None:
           f"simulations ({c['oom_excluded']} excluded: out of memory) in {c['search_s']:.2f} s. {report['note']}.")
 
 
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments with every model that is a hub id or tiny:<name> as its local folder (presets, folders and
+    the words same / none unchanged). ModelReferenceError when a hub id is neither cached nor reachable."""
+    # start-up time: the model references import torch, which `hybridrl --help` does without
+    from hybridrl.models.hub import is_hub_reference, resolve_model
+    from hybridrl.models.tiny import TINY_PREFIX
+
+    resolved = argparse.Namespace(**vars(args))
+    for option in ("model", "critic_model", "reward_model"):
+        ref = getattr(args, option, None)
+        if ref and ref not in PRESETS and (is_hub_reference(ref) or ref.startswith(TINY_PREFIX)):
+            setattr(resolved, option, resolve_model(ref, "--" + option.replace("_", "-")))
+    return resolved
+
+
 def run(args: argparse.Namespace) -> int:
     if args.auto:
         return _run_auto(args)
     try:
-        report = build_report(args)
+        report = build_report(_resolved(args))
     except (LayoutError, ValueError) as exc:
         print(f"hybridrl plan: {exc}", file=sys.stderr)
         return 2
+    report["model"] = args.model  # as given (a hub id, not its cache folder)
     if args.json:
         print(json.dumps(report))
     else:
@@ -167,8 +184,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_auto(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
-        report = plan_auto.build_report(args)
-        if args.write_config:
+        report = plan_auto.build_report(_resolved(args))
+        report["model"] = args.model  # as given (a hub id, not its cache folder)
+        if args.write_config:  # the config names the models as given (a hub id stays a hub id)
             plan_auto.write_config(report, args.model, args.nodes_of, args.write_config, args.reward_model)
     except (LayoutError, ValueError) as exc:
         print(f"hybridrl plan --auto: {exc}", file=sys.stderr)

@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-object-store-mb", type=int, help="Ray object store per node (default: Ray's)")
     parser.add_argument("--ray-tmp-root", default="/tmp", help="node-local dir for Ray's temp dirs")
     parser.add_argument("--python", default=sys.executable, help="Python on the compute nodes")
+    parser.add_argument("--model-files", choices=("shared", "staged"), default="shared",
+                        help="how every node sees the models: shared (default; the folders, or HF_HUB_CACHE for hub "
+                        "ids, are on a filesystem every node mounts: checked) or staged (the same files at the same "
+                        "path on every node). Hub ids are resolved here and pinned to their commit either way")
     parser.add_argument("--template", default=str(DEFAULT_TEMPLATE), help="sbatch template to render")
     parser.add_argument("--dry-run", action="store_true", help="print the rendered script, submit nothing")
     parser.add_argument("--wait", action="store_true",
@@ -85,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         job = validate(args)
         run_dir = job.run_dir
         script = render_script(args, job)
+        for note in job.notes:
+            print(f"hybridrl submit: note: {note}", file=sys.stderr)
         if args.dry_run:
             print(script, end="")
             return 0

@@ -8,6 +8,7 @@ outside the controller `pool.layout` says which layout they hold.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -17,6 +18,9 @@ from hybridrl.parallel.layout import ParallelLayout
 logger = logging.getLogger(__name__)
 
 _DEVICE_PATTERN = re.compile(r"^(cuda|gpu):(\d+)$")
+DEFAULT_POOL_NAME = "default"
+DEVICES_ENV = "HYBRIDRL_DEVICES"  # devices of the default pool (roles created without resource_pool=)
+DEFAULT_CPU_DEVICES = 2  # the default pool on a machine without GPUs, like `hybridrl train`'s resources.devices
 
 
 class ResourcePoolError(ValueError):
@@ -38,6 +42,7 @@ class ResourcePool:
     ResourcePool(devices=4)                       4 devices on one node
     ResourcePool(nodes=2, devices_per_node=8)     16 devices, 8 per node
     ResourcePool(devices=["cuda:0", "cuda:1"])    an explicit device list (one node)
+    ResourcePool.default(devices=4)               the pool of roles created without one (default(): all devices)
     """
 
     devices: int | list[str] | None = None
@@ -48,6 +53,7 @@ class ResourcePool:
     device_labels: list[str] = field(init=False)
     _placement_groups: list[Any] = field(default_factory=list, init=False, repr=False)
     _hosts: PoolProcesses | None = field(default=None, init=False, repr=False)
+    _cluster: str | None = field(default=None, init=False, repr=False)  # the Ray cluster (GCS) it was placed on
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or self.nodes < 1:
@@ -81,6 +87,40 @@ class ResourcePool:
             labels = [f"cuda:{i}" for i in range(self.devices_per_node)] * self.nodes
         self.device_labels = labels
 
+    @classmethod
+    def default(cls, devices: int | list[str] | None = None, nodes: int = 1,
+                devices_per_node: int | None = None) -> "ResourcePool":
+        """The pool that roles created without `resource_pool=` share, colocated (one set of worker processes,
+        one layout). Its size: the arguments when given (call before the first such role), else $HYBRIDRL_DEVICES,
+        else every device of the running Ray cluster, else every visible GPU, else 2 devices on a machine without
+        GPUs. A pool from a Ray cluster that has since stopped is replaced by a fresh one."""
+        global _default_pool
+        current = _default_pool if _default_pool is not None and not _default_pool.placed_elsewhere() else None
+        if devices is None and devices_per_node is None:
+            if current is None:
+                current = cls(**_default_size(), name=DEFAULT_POOL_NAME)
+            _default_pool = current
+            return current
+        wanted = cls(devices=devices, nodes=nodes, devices_per_node=devices_per_node, name=DEFAULT_POOL_NAME)
+        if current is not None and current._hosts is not None and current.device_labels != wanted.device_labels:
+            raise ResourcePoolError(f"ResourcePool.default: the default pool already runs roles on "
+                                    f"{current.world_size} device(s); size it before the first role without "
+                                    f"resource_pool=, or give that role a pool of its own")
+        if current is not None and current.device_labels == wanted.device_labels:
+            return current
+        if current is not None:
+            current.shutdown()  # placed but unused: give its devices back
+        _default_pool = wanted
+        return wanted
+
+    def placed_elsewhere(self) -> bool:
+        """True when this pool was placed on a Ray cluster that is no longer this driver's (stopped, restarted)."""
+        if self._cluster is None:
+            return False
+        import ray
+
+        return not ray.is_initialized() or ray.get_runtime_context().gcs_address != self._cluster
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
@@ -113,6 +153,7 @@ class ResourcePool:
                                     f"free devices not found within {self.placement_timeout_s:.0f}s (other pools "
                                     "hold them?); free devices or shrink the pool")
         self._placement_groups = groups
+        self._cluster = ray.get_runtime_context().gcs_address
         logger.info("pool %r placed: %d node(s) x %d device(s)", self.name, self.nodes, self.devices_per_node)
         return groups
 
@@ -130,3 +171,28 @@ class ResourcePool:
         for group in self._placement_groups:
             remove_placement_group(group)
         self._placement_groups = []
+        self._cluster = None
+
+
+_default_pool: ResourcePool | None = None
+
+
+def _default_size() -> dict[str, Any]:
+    """ResourcePool arguments for the default pool (ResourcePool.default says the order)."""
+    value = os.environ.get(DEVICES_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ResourcePoolError(f"{DEVICES_ENV}={value!r}: give a positive number of devices")
+        return {"devices": int(value)}
+    import ray  # the running cluster, when there is one
+
+    if ray.is_initialized():
+        per_node = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+        per_node = [g for g in per_node if g > 0]
+        if per_node:
+            return {"nodes": len(per_node), "devices_per_node": min(per_node)}
+    import torch  # start-up time: only the default pool asks torch for the visible GPUs
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return {"devices": torch.cuda.device_count()}
+    return {"devices": DEFAULT_CPU_DEVICES}

@@ -1,12 +1,16 @@
 """Check a multi-node Ray cluster end to end: one actor per node, a collective group across them.
 
     python -m hybridrl.launch.cluster_check --nodes 2 [--gpus-per-node G] [--run-dir DIR] [--steps 3]
+        [--models FOLDER ...]
 
 Connects to the running cluster (RAY_ADDRESS, as exported by the Slurm template), places one actor
 on every node (STRICT_SPREAD placement group), forms one torch.distributed group over them (gloo on
 CPU, nccl on GPU, through hybridrl.parallel.distributed.backend()), all-reduces a known tensor
 `--steps` times, and writes DIR/metrics.jsonl: a `cluster` record (which actor ran where) and one
-record per step. Exits 0 only when every all-reduce equals its expected value.
+record per step. With --models, every node also looks for each model folder (config.json or
+adapter_config.json in it): how a job with node-local model files (`hybridrl submit --model-files staged`)
+checks that each node holds them. Exits 0 only when every all-reduce equals its expected value and every node
+sees every model folder.
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ class ClusterCheckActor:
                 "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "ray_node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+    def missing_models(self, folders: list[str]) -> list[str]:
+        return missing_model_folders(folders)
 
     def free_port(self) -> int:
         import ray
@@ -68,8 +75,14 @@ class ClusterCheckActor:
             torch.distributed.destroy_process_group()
 
 
+def missing_model_folders(folders: list[str]) -> list[str]:
+    """The folders among `folders` that hold no model here (no config.json / adapter_config.json)."""
+    marks = ("config.json", "adapter_config.json")
+    return [f for f in folders if not any((Path(f) / name).is_file() for name in marks)]
+
+
 def run_check(num_nodes: int, gpus_per_node: int, run_dir: Path, steps: int = 3, numel: int = 1024,
-              timeout_s: float = 120.0, address: str | None = None) -> bool:
+              timeout_s: float = 120.0, address: str | None = None, models: list[str] = ()) -> bool:
     """Run the check on the cluster at `address` (default: RAY_ADDRESS / the running cluster)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -101,10 +114,14 @@ def run_check(num_nodes: int, gpus_per_node: int, run_dir: Path, steps: int = 3,
         backends = ray.get([a.join_group.remote(rank, num_nodes, master_addr, master_port)
                             for rank, a in enumerate(actors)], timeout=timeout_s)
         distinct_nodes = len({p["ray_node_id"] for p in placed})
+        missing = ray.get([a.missing_models.remote(list(models)) for a in actors], timeout=timeout_s)
         records = [{"event": "cluster", "nodes": num_nodes, "distinct_nodes": distinct_nodes,
                     "backend": backends[0], "master": f"{master_addr}:{master_port}",
-                    "ranks": [{"rank": r, **p} for r, p in enumerate(placed)]}]
-        all_ok = distinct_nodes == num_nodes
+                    "ranks": [{"rank": r, **p, "missing_models": m} for r, (p, m) in enumerate(zip(placed, missing))]}]
+        for place, absent in zip(placed, missing):
+            if absent:
+                logger.error("node %s does not see the model folder(s) %s", place["node_name"], absent)
+        all_ok = distinct_nodes == num_nodes and not any(missing)
         for step in range(steps):
             t0 = time.monotonic()
             results = ray.get([a.all_reduce.remote(rank, step, numel) for rank, a in enumerate(actors)],
@@ -142,11 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="where metrics.jsonl goes (default: $HYBRIDRL_RUN_DIR, else .)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for each cluster operation")
+    parser.add_argument("--models", nargs="*", default=[], metavar="FOLDER",
+                        help="model folders every node must hold (the paths the job's driver hands its workers)")
     args = parser.parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 0 or args.steps < 1:
         parser.error("--nodes and --steps must be >= 1 and --gpus-per-node >= 0")
     try:
-        ok = run_check(args.nodes, args.gpus_per_node, Path(args.run_dir), args.steps, timeout_s=args.timeout)
+        ok = run_check(args.nodes, args.gpus_per_node, Path(args.run_dir), args.steps, timeout_s=args.timeout,
+                       models=args.models)
     except Exception as exc:  # the message is the product: say what failed, exit non-zero
         logger.error("cluster check failed: %s", exc)
         return 1

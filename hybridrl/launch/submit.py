@@ -9,12 +9,13 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from hybridrl.bundled import IMPORT_ROOT, bundled_dir
 from hybridrl.config import ConfigError, find_config, load_config
+from hybridrl.launch.model_files import ModelFiles, ModelFilesError, prepare_model_files
 from hybridrl.launch.slurm_query import SlurmRequestError, job_state
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class JobCommand:
     run_dir: Path
     trainer: bool = False  # `hybridrl train`: the job appends resources.ray_address=<its Ray head>
     resume_on_requeue: bool = False  # after a requeue (SLURM_RESTART_COUNT > 0) add trainer.resume=auto
+    env: dict[str, str] = field(default_factory=dict)  # exported in the job before --env (the models' cache)
+    notes: list[str] = field(default_factory=list)  # what the submitting machine could not check (a dry run)
 
 
 # set by the job itself from the request and its Ray cluster; a user value would contradict them
@@ -88,6 +91,9 @@ def _train_command(args: argparse.Namespace) -> JobCommand:
                                 f"but --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {offered}; "
                                 "ask for more or shrink the pools")
 
+    models = _model_files(args, cfg)
+    overrides += models.overrides  # hub ids pinned to the commit resolved here
+
     # one run dir for the job's logs and the trainer's metrics/checkpoints, so a requeued job finds them
     trainer_run_dir = _override_value(overrides, "trainer.run_dir")
     if trainer_run_dir is not None:
@@ -102,7 +108,18 @@ def _train_command(args: argparse.Namespace) -> JobCommand:
     resume_on_requeue = args.requeue and cfg.trainer.resume == "never" \
         and _override_value(args.overrides, "trainer.resume") is None
     argv = [args.python, "-m", "hybridrl.cli", "train", str(Path(args.config).resolve()), *overrides]
-    return JobCommand(argv, run_dir, trainer=True, resume_on_requeue=resume_on_requeue)
+    return JobCommand(argv, run_dir, trainer=True, resume_on_requeue=resume_on_requeue, env=models.env,
+                      notes=models.notes)
+
+
+def _model_files(args: argparse.Namespace, cfg) -> ModelFiles:
+    """Every model of the config resolved on this machine (launch/model_files.py): a dry run downloads nothing;
+    all nodes on one host (--ip-mode loopback) share its files."""
+    mode = "staged" if args.ip_mode == "loopback" else getattr(args, "model_files", "shared")
+    try:
+        return prepare_model_files(cfg, mode, download=not args.dry_run)
+    except ModelFilesError as exc:
+        raise SlurmRequestError(str(exc)) from None
 
 
 def validate(args: argparse.Namespace) -> JobCommand:
@@ -175,7 +192,8 @@ def render(template: str, values: dict[str, str]) -> str:
 
 def render_script(args: argparse.Namespace, job: JobCommand) -> str:
     template = Path(args.template).read_text()
-    env_exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, _, v in (e.partition("=") for e in args.env))
+    given = [(k, v) for k, _, v in (e.partition("=") for e in args.env)]
+    env_exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in [*job.env.items(), *given])
     values = {
         "sbatch_directives": "\n".join(sbatch_directives(args, job.run_dir)),
         "python": shlex.quote(args.python),

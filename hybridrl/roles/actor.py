@@ -11,11 +11,12 @@ import torch
 from hybridrl.config import ModelConfig, MoeConfig, OptimConfig, ParallelConfig, RoleConfig, RolloutConfig, as_section
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
-from hybridrl.models.tiny import resolve_model_path
+from hybridrl.models.hub import resolve_model
 from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, divisors
 from hybridrl.protocol import Batch
-from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, layout_on, start_pool
+from hybridrl.roles.base import (DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, layout_on,
+                                 parallel_argument, start_pool)
 from hybridrl.rollout import SamplingParams, TokenIds, sampling_params_from_config
 from hybridrl.rollout.prompts import check_prompts, encode_prompts, left_pad
 from hybridrl.rollout.types import Rollout, as_sequences, merge_replicas, policy_inputs, rollouts_from_replicas
@@ -24,10 +25,13 @@ from hybridrl.workers.policy import PolicyLossConfig
 
 
 class Actor(Role):
-    """The policy: trains in `parallel` (tp, pp; dp fills the pool), generates through the 3D-HybridEngine with
-    the `rollout` settings (config.RolloutConfig: engine, tp, reshard, bucket_mb, max_model_len, and the default
-    sampling n, temperature, top_p, top_k, max_new_tokens; the short API generates with the native engine
-    unless rollout={"engine": "vllm"}).
+    """The policy: trains in `parallel` (tp, pp; dp fills the pool; `parallel_config=` is the same argument),
+    generates through the 3D-HybridEngine with the `rollout` settings (config.RolloutConfig: engine, tp, reshard,
+    bucket_mb, max_model_len, and the default sampling n, temperature, top_p, top_k, max_new_tokens; the short API
+    generates with the native engine unless rollout={"engine": "vllm"}).
+
+    model: a Hugging Face folder, a hub id org/name[@revision] (fetched into the HF cache on this driver) or a
+    tiny:<name>; None: the embedded tiny Llama. Without resource_pool every role shares ResourcePool.default().
 
     optim: config.OptimConfig (lr, weight_decay, betas, clip_grad, warmup_steps, use_distributed_optimizer).
     loss: workers.policy.PolicyLossConfig (clip_ratio, entropy_coef, kl_estimator, policy_loss, loss_agg, ...).
@@ -41,13 +45,15 @@ class Actor(Role):
                  micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", tokenizer: Any = None, seed: int = 1, role: str = "actor",
-                 call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None) -> None:
-        path = resolve_model_path(model)
+                 call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None,
+                 parallel_config: dict | ParallelConfig | ParallelLayout | None = None) -> None:
+        parallel = parallel_argument(parallel, parallel_config, "Actor")
+        path = resolve_model(model, "Actor(model=...)")  # a hub id is fetched here, before any worker starts
         settings = RoleConfig(model=ModelConfig(path, dtype), moe=as_section(MoeConfig, moe, "Actor(moe=...)"),
                               optim=as_section(OptimConfig, optim, "Actor(optim=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
-        if isinstance(rollout, dict):  # the short API's engine unless named: native (the trainer resolves auto)
-            rollout = {"engine": "native", **rollout}
+        if rollout is None or isinstance(rollout, dict):  # the short API's engine unless named: native (the
+            rollout = {"engine": "native", **(rollout or {})}  # trainer resolves auto)
         self._start(settings, as_section(RolloutConfig, rollout, "Actor(rollout=...)"),
                     as_section(PolicyLossConfig, loss, "Actor(loss=...)"), parallel, resource_pool,
                     tokenizer_for(path, tokenizer), seed, role, call_timeout_s)

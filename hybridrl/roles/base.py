@@ -2,6 +2,7 @@
 demand, a layout checked like the trainer's plan checks it, and metrics averaged over data-parallel ranks."""
 from __future__ import annotations
 
+from typing import Any
 
 from hybridrl.config import ParallelConfig, as_section
 from hybridrl.controller import ResourcePool, WorkerGroup, ensure_ray
@@ -27,13 +28,25 @@ class Role:
 
 
 def start_pool(pool: ResourcePool | None, ray_address: str | None = None) -> ResourcePool:
-    """The role's pool (a one-device pool when none is given), with Ray running: a local cluster with enough
-    devices for it when none runs yet."""
+    """The role's pool (ResourcePool.default(), shared by every role created without one), with Ray running: a
+    local cluster with enough devices for it when none runs yet."""
     import ray  # ray's import costs seconds: only when a role starts
 
-    pool = pool or ResourcePool(devices=1)
+    pool = pool or ResourcePool.default()
     ensure_ray(num_devices=None if ray.is_initialized() else pool.world_size, address=ray_address)
     return pool
+
+
+def parallel_argument(parallel: Any, parallel_config: Any, where: str) -> ParallelConfig | ParallelLayout | None:
+    """The role's parallel settings from either keyword, `parallel=` or `parallel_config=` (the seed program's
+    name for the same dict / ParallelConfig; both given is an error), a dict checked and typed here, before Ray
+    or any worker starts."""
+    if parallel is not None and parallel_config is not None:
+        raise ValueError(f"{where}: give parallel= or parallel_config= (the same settings), not both")
+    name, value = ("parallel_config", parallel_config) if parallel is None else ("parallel", parallel)
+    if value is None or isinstance(value, ParallelLayout):
+        return value
+    return as_section(ParallelConfig, value, f"{where}({name}=...)")
 
 
 def layout_on(pool: ResourcePool, parallel: ParallelLayout | ParallelConfig | dict | None, role: str

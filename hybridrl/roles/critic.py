@@ -7,9 +7,9 @@ import torch
 
 from hybridrl.config import ModelConfig, OptimConfig, ParallelConfig, RoleConfig, as_section
 from hybridrl.controller import ResourcePool
-from hybridrl.models.tiny import resolve_model_path
+from hybridrl.models.hub import resolve_model
 from hybridrl.parallel.layout import ParallelLayout
-from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics
+from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, parallel_argument
 from hybridrl.rollout.types import SEQUENCE_KEYS, as_sequences
 from hybridrl.workers.value import CriticWorker
 
@@ -23,8 +23,10 @@ class Critic(Role):
                  optim: dict | OptimConfig | None = None, micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", seed: int = 1, role: str = "critic",
-                 call_timeout_s: float | None = 3600.0) -> None:
-        settings = RoleConfig(model=ModelConfig(resolve_model_path(model), dtype),
+                 call_timeout_s: float | None = 3600.0,
+                 parallel_config: dict | ParallelConfig | ParallelLayout | None = None) -> None:
+        parallel = parallel_argument(parallel, parallel_config, "Critic")
+        settings = RoleConfig(model=ModelConfig(resolve_model(model, "Critic(model=...)"), dtype),
                               optim=as_section(OptimConfig, optim, "Critic(optim=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         super().__init__(CriticWorker, role, resource_pool, parallel, {"role": settings, "seed": seed}, seed,

@@ -8,9 +8,9 @@ import torch
 from hybridrl.config import ModelConfig, ParallelConfig, RoleConfig
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
-from hybridrl.models.tiny import resolve_model_path
+from hybridrl.models.hub import resolve_model
 from hybridrl.parallel.layout import ParallelLayout
-from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role
+from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, parallel_argument
 from hybridrl.rollout.prompts import check_prompts
 from hybridrl.rollout.types import SEQUENCE_KEYS, as_sequences
 from hybridrl.workers.actor import ReferenceWorker
@@ -23,8 +23,10 @@ class ReferencePolicy(Role):
                  parallel: dict | ParallelConfig | ParallelLayout | None = None, micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", seed: int = 1, role: str = "ref", tokenizer: Any = None,
-                 call_timeout_s: float | None = 3600.0) -> None:
-        path = resolve_model_path(model)
+                 call_timeout_s: float | None = 3600.0,
+                 parallel_config: dict | ParallelConfig | ParallelLayout | None = None) -> None:
+        parallel = parallel_argument(parallel, parallel_config, "ReferencePolicy")
+        path = resolve_model(model, "ReferencePolicy(model=...)")
         self.tokenizer = tokenizer_for(path, tokenizer)  # to check the prompts given to get_log_probs
         settings = RoleConfig(model=ModelConfig(path, dtype), micro_batch_size=micro_batch_size,
                               max_tokens_per_micro_batch=max_tokens_per_micro_batch)

@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 from hybridrl.algorithms.losses import KL_ESTIMATORS
 from hybridrl.config import ConfigError
+from hybridrl.models.hub import parse_hub_id
 from hybridrl.models.tiny import TINY_PREFIX
+from hybridrl.roles.reward import check_score_format
 from hybridrl.rollout import sampling_params_from_config
 from hybridrl.rollout.base import SamplingParamsError
 from hybridrl.trainer.tracking import BACKENDS
@@ -51,7 +53,9 @@ def _finite(v: Any) -> bool:
 
 
 def _exists(v: Any) -> bool:
-    return v is None or str(v).startswith(TINY_PREFIX) or Path(str(v)).expanduser().exists()
+    """A model reference that can resolve: a folder, a tiny: name or a hub id (the plan resolves it)."""
+    return v is None or str(v).startswith(TINY_PREFIX) or Path(str(v)).expanduser().exists() \
+        or parse_hub_id(str(v)) is not None
 
 
 def _betas(v: Any) -> bool:
@@ -80,7 +84,7 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("algorithm.lagrangian_lr",), _above(0), "must be > 0", "e.g. 0.05"),
     (("algorithm.lagrangian_init",), lambda v: _finite(v) and v >= 0, "must be >= 0", "e.g. 1.0"),
     (("{m}.model.path", "{s}.model", "{s}.tokenizer"), _exists, "does not exist",
-     "give a Hugging Face model folder, a bundled tiny:<name>, or leave it unset"),
+     "give a Hugging Face model folder, a hub id org/name[@revision], a bundled tiny:<name>, or leave it unset"),
     (("{m}.model.dtype", "{s}.dtype"), _one_of(*DTYPES), f"is not one of {list(DTYPES)}", "float32 on CPU"),
     (("{r}.parallel.tp", "{r}.parallel.pp"), _at_least(1), "must be >= 1", "1 means no split"),
     (("{r}.parallel.dp",), _optional(_at_least(1)), "must be >= 1", "leave unset: the pool's devices / (tp * pp)"),
@@ -163,6 +167,11 @@ def check_values(cfg: Any) -> None:
     if unknown:
         raise ConfigError(f"trainer.trackers={list(cfg.trainer.trackers)}: {unknown} unknown (choose from "
                           f"{list(BACKENDS)}, or [] for metrics.jsonl only)")
+    for section in SCORE_MODELS:
+        try:
+            check_score_format(cfg[section].format, f"{section}.format")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     try:
         sampling_params_from_config(cfg.rollout)  # n, temperature, top_p, top_k, max_new_tokens
     except SamplingParamsError as exc:

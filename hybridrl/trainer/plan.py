@@ -27,7 +27,7 @@ from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models import load_hf_config
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.families import ModelDims
-from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
+from hybridrl.models.hub import ModelReferenceError, resolve_model, resolve_reference
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
 from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
@@ -220,6 +220,7 @@ def _wanted_roles(cfg: Any, step: StepNeeds) -> list[str]:
 
 
 def _model_paths(cfg: Any) -> dict[str, str | None]:
+    _check_tokenizer_references(cfg)
     actor = _model_dir(cfg.actor.model.path, "actor.model.path")
     critic = _model_dir(cfg.critic.model.path, "critic.model.path") if cfg.critic.model.path else actor
     return {"actor": actor, "critic": critic, "cost_critic": critic,
@@ -248,15 +249,23 @@ def _place_roles(cfg: Any, plan: RunPlan) -> None:
 
 
 def _model_dir(path: str | None, option: str) -> str:
-    if path is None or str(path).startswith(TINY_PREFIX):
-        try:
-            return resolve_model_path(path)
-        except ValueError as exc:
-            raise ConfigError(f"{option}={path!r}: {exc}") from None
-    folder = Path(path).expanduser()
-    _check(folder.is_dir() and (folder / "config.json").is_file(),
-           f"{option}={path!r}: no Hugging Face model folder there (expected config.json); give a local folder")
-    return str(folder)
+    """The local folder of a model reference (a folder, tiny:<name> or a hub id fetched into the HF cache here, on
+    the driver: workers only ever see local folders)."""
+    try:
+        return resolve_model(path, option)
+    except ModelReferenceError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_tokenizer_references(cfg: Any) -> None:
+    """reward_model.tokenizer / cost_model.tokenizer resolve like a model (a hub id fetched here, before Ray); the
+    reward role reads them from the cache later."""
+    for section in ("reward_model", "cost_model"):
+        if cfg[section].model and cfg[section].tokenizer:
+            try:
+                resolve_reference(cfg[section].tokenizer, f"{section}.tokenizer")
+            except ModelReferenceError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def _experts_of(path: str) -> Any:

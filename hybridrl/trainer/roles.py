@@ -42,7 +42,7 @@ def start_roles(cfg: Any, plan: RunPlan, pools: dict[str, ResourcePool], tokeniz
                                       micro_batch_size=section.micro_batch_size,
                                       max_tokens_per_micro_batch=section.max_tokens_per_micro_batch,
                                       dtype=section.dtype, tokenizer=section.tokenizer,
-                                      chat_template=section.chat_template, seed=seed, role=role,
+                                      chat_template=section.chat_template, format=section.format, seed=seed, role=role,
                                       call_timeout_s=timeout)
         elif fn:
             roles[role] = RewardModel(fn=fn, num_workers=cfg.reward.num_workers)
