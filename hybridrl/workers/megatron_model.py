@@ -31,6 +31,7 @@ from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.parallel.distributed import device
 from hybridrl.protocol import Batch
 from hybridrl.workers.moe_metrics import RoutingTracker
+from hybridrl.workers.sharding import fully_sharded, local_tensor, shards_model
 from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ class MegatronModel:
 
     def __init__(self, path: str, *, head: str = "lm", dtype: str = "float32", micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = None, optim: OptimConfig | None = None,
-                 moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234) -> None:
+                 moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234,
+                 fsdp: str = "no_shard") -> None:
         from megatron.core import parallel_state
 
         if dtype not in DTYPES:
@@ -78,6 +80,7 @@ class MegatronModel:
         self.path, self.head, self.dtype = path, head, dtype
         self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
         self.sequence_parallel = sequence_parallel
+        self.fsdp = fsdp  # parallel.fsdp: fully sharded data parallel (workers/sharding.py)
         self.hf_config = load_hf_config(path)
         torch.manual_seed(seed)
         model = build_gpt_model(self.hf_config, head=head, dtype=DTYPES[dtype], sequence_parallel=sequence_parallel,
@@ -102,6 +105,8 @@ class MegatronModel:
             self._make_trainable(optim)
             if model.config.num_moe_experts:
                 self.routing = RoutingTracker(model)
+        elif shards_model(fsdp, trainable=False):  # a frozen model's parameters, sharded over the DP group
+            self.model = fully_sharded(model.config, model, fsdp)
         self.steps = 0
 
     # ---- training setup ------------------------------------------------------------------------------
@@ -112,7 +117,7 @@ class MegatronModel:
         return cls(role.model.path, head=head, dtype=role.model.dtype, micro_batch_size=role.micro_batch_size,
                    max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
                    optim=role.optim if trainable else None, moe=role.moe,
-                   sequence_parallel=layout.sequence_parallel, seed=seed)
+                   sequence_parallel=layout.sequence_parallel, seed=seed, fsdp=layout.fsdp)
 
     def _make_trainable(self, optim: OptimConfig) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -126,14 +131,17 @@ class MegatronModel:
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(config, model)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=optim.use_distributed_optimizer)
-        self.model = DistributedDataParallel(config, ddp_config, model)
+        distributed = optim.use_distributed_optimizer
+        if shards_model(self.fsdp, trainable=True):  # sharded parameters: Megatron's plain optimizer over them
+            self.model, distributed = fully_sharded(config, model, self.fsdp), False
+        else:
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
+            self.model = DistributedDataParallel(config, ddp_config, model)
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer=optim.optimizer, sgd_momentum=0.0, lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
                             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], clip_grad=optim.clip_grad,
-                            use_distributed_optimizer=optim.use_distributed_optimizer, bf16=config.bf16,
+                            use_distributed_optimizer=distributed, bf16=config.bf16,
                             fp16=config.fp16, params_dtype=config.params_dtype), [self.model])
         warmup = max(0, int(optim.warmup_steps))
         self.scheduler = OptimizerParamScheduler(
@@ -299,7 +307,7 @@ class MegatronModel:
         for param in self.inner.parameters():
             grad = getattr(param, "main_grad", None)
             if grad is None:
-                grad = param.grad
+                grad = param.grad if param.grad is None else local_tensor(param.grad)  # fsdp: this rank's piece
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 bad.fill_(1.0)
                 break

@@ -1,0 +1,102 @@
+"""Fully sharded data parallel for a role's Megatron model (`parallel.fsdp`), with Megatron-Core's own wrapper.
+
+`parallel.fsdp`:
+  no_shard       Megatron DDP and its (distributed) optimizer, exactly as without this option;
+  shard_grad_op  gradients and optimizer states sharded over the DP group; the parameters are gathered once per
+                 forward and kept until the backward is done (Megatron-LM's --torch-fsdp2-no-reshard-after-forward,
+                 "ZeRO-2"); between steps only each rank's shard is resident;
+  full_shard     parameters too: each transformer layer's parameters are all-gathered just before its forward
+                 and again before its backward, then freed ("ZeRO-3").
+A frozen model (reference, reward / cost model) has no gradients or optimizer: full_shard shards its parameters
+(gathered layer by layer in each forward, 1/dp resident), shard_grad_op leaves it unsharded like no_shard.
+
+The wrapper is Megatron-Core's `TorchFullyShardedDataParallel` (megatron/core/distributed/
+torch_fully_sharded_data_parallel.py: PyTorch FSDP2's `fully_shard` per transformer layer over Megatron's DP
+group), with Megatron's own (non-distributed) optimizer over the sharded parameters, as Megatron-LM runs it
+(--use-torch-fsdp2). Both Megatron-Core FSDPs run on gloo here (checked on 0.16.1): this one with one shim
+(megatron_patches/fsdp_mesh.py: its mesh on the CPU); Megatron-FSDP (`use_megatron_fsdp`,
+optim_grads_params) with two (its "cuda:<current_device>" check, and no NCCL pre-multiplied sum). This one is
+used because (1) Megatron's distributed checkpoints understand its shards (make_tp_sharded_tensor_for_checkpoint
+knows FSDP2's DTensors) and the checkpoint stays in the layout-free format every other layout reads, while
+Megatron-FSDP's optimizer saves only its own `fsdp_dtensor` format (DistributedOptimizer.sharded_state_dict
+raises NotImplementedError for any other), which no TP layout can resume from; (2) it cuts every TP shard into
+equal dim-0 row blocks over the DP group, so the 3D-HybridEngine all-gathers them straight into the generation
+buffer (hybrid_engine/fsdp_gather.py). Megatron-LM refuses this wrapper with pipeline or expert parallelism
+(arguments.py), so does parallel/layout.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from hybridrl.models.builder import unwrap
+
+logger = logging.getLogger(__name__)
+
+
+def shards_model(fsdp: str, trainable: bool) -> bool:
+    """Whether a model is wrapped in the fully sharded wrapper (a frozen one only for full_shard)."""
+    return fsdp == "full_shard" or (trainable and fsdp == "shard_grad_op")
+
+
+def fully_sharded(config: Any, module: torch.nn.Module, fsdp: str) -> torch.nn.Module:
+    """`module` (a GPTModel, or Float16Module around one) wrapped in Megatron-Core's FSDP2 wrapper over the DP
+    group: each transformer layer (and the embedding, unless it is tied to the output layer, which uses it after
+    the embedding's own unit would have released it) is one unit, the rest belongs to the root unit."""
+    from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    units: set[type] = {TransformerLayer, RotaryEmbedding}
+    if not unwrap(module).share_embeddings_and_output_weights:
+        units.add(LanguageModelEmbedding)
+    ddp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=fsdp == "full_shard")
+
+    class FullyShardedModel(TorchFullyShardedDataParallel):
+        def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+            # megatron-core 0.16's finalize_model_grads passes force_all_reduce=, which the wrapper's base method
+            # does not take (TypeError on GPU and CPU alike); FSDP2 has already reduce-scattered the gradients
+            super().finish_grad_sync()
+
+    return FullyShardedModel(config, ddp_config, module, sub_modules_to_wrap=units)
+
+
+def is_sharded(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a sharded parameter (the tensor itself when it is not sharded)."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: every parameter of a fully sharded model is its whole TP shard again (collective over the DP
+    group; the gathered copies are freed on exit). For readers of the weights (export, checkpoints); writes to
+    the gathered tensors are lost. A no-op for a model that is not sharded."""
+    modules = _fsdp_modules(model)
+    attributes = {name: {k: v for k, v in vars(param).items() if not k.startswith("_")}
+                  for name, param in model.named_parameters()}
+    for module in modules:
+        module.unshard()
+    for name, param in model.named_parameters():  # Megatron's TP attributes (partition_dim, ...) on the gathered
+        for key, value in attributes.get(name, {}).items():  # tensors too: FSDP2 makes new Parameters for them
+            setattr(param, key, value)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
