@@ -109,11 +109,7 @@ class ParallelLayout:
     def fsdp_rows(self, rows: int, dp_rank: int) -> tuple[int, int]:
         """(first row, row count) of a TP shard's dim 0 that DP rank `dp_rank` holds under fsdp (FSDP2's even
         split: chunks of ceil(rows / dp) rows, the last ones shorter or empty); (0, rows) without fsdp."""
-        if self.dp_shards == 1:
-            return 0, rows
-        each = -(-rows // self.dp)
-        start = min(rows, dp_rank * each)
-        return start, min(each, rows - start)
+        return shard_rows(rows, self.dp_shards, dp_rank if self.dp_shards > 1 else 0)
 
     def check_fsdp_rows(self, rows: dict[str, int]) -> None:
         """Refuse fsdp where a TP shard's dim 0 (`rows`: what -> rows) does not split evenly over dp: Megatron's
@@ -264,6 +260,14 @@ class ParallelLayout:
         extra += f", expert_tp={self.etp}" if self.etp is not None and self.etp != self.tp else ""
         extra += f", fsdp={self.fsdp}" if self.fsdp != "no_shard" else ""
         return f"tp={self.tp}, pp={self.pp}, dp={self.dp}{extra}"
+
+
+def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """(first row, row count) of piece `index` when `rows` are cut into `shards` pieces as FSDP2 cuts dim 0 (its
+    Shard(0) placement: pieces of ceil(rows / shards) rows, the last ones shorter or empty)."""
+    each = -(-rows // shards)
+    start = min(rows, index * each)
+    return start, min(each, rows - start)
 
 
 def divisors(n: int) -> list[int]:

@@ -30,6 +30,7 @@ from hybridrl.models.families import ModelDims
 from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.parallel.distributed import device
 from hybridrl.protocol import Batch
+from hybridrl.workers import fsdp_checkpoint
 from hybridrl.workers.moe_metrics import RoutingTracker
 from hybridrl.workers.sharding import fully_sharded, local_tensor, shards_model
 from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
@@ -324,14 +325,15 @@ class MegatronModel:
 
         root = Path(out_dir)
         rank = torch.distributed.get_rank()
-        save_dist_checkpoint(self.model, self.hf_config, root / "model")
+        if self._sharded:  # fully sharded: the same format, from the gathered TP shards (fsdp_checkpoint.py)
+            fsdp_checkpoint.save_model(self.model, self.hf_config, root / "model")
+        else:
+            save_dist_checkpoint(self.model, self.hf_config, root / "model")
         if self.optimizer is not None:
             if rank == 0:
                 (root / "optimizer").mkdir(parents=True, exist_ok=True)
             torch.distributed.barrier()
-            model_state = unwrap(self.model).sharded_state_dict()
-            state = {"optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=False,
-                                                                      metadata=_OPTIM_FORMAT),
+            state = {"optimizer": self._optimizer_sharded_state(is_loading=False)[0],
                      "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                      "steps": self.steps}
             dist_checkpointing.save(state, str(root / "optimizer"))
@@ -339,23 +341,40 @@ class MegatronModel:
         torch.save(_rng_states(), root / "rng" / f"rank_{rank:05d}.pt")
         torch.distributed.barrier()
 
+    @property
+    def _sharded(self) -> bool:
+        """Whether this model is fully sharded over its DP group (parallel.fsdp)."""
+        return shards_model(self.fsdp, trainable=self.optimizer is not None)
+
+    def _optimizer_sharded_state(self, is_loading: bool) -> tuple[dict, list[str] | None]:
+        """The optimizer's state as Megatron's distributed checkpoint saves / requests it: the distributed
+        optimizer's model-space format, which a fully sharded model writes and reads too (fsdp_checkpoint.py)."""
+        if self._sharded:
+            return fsdp_checkpoint.optimizer_state(self.model, self.optimizer, is_loading)
+        model_state = unwrap(self.model).sharded_state_dict()
+        return self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIM_FORMAT), None
+
     def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
         """Collective: the inverse of save_checkpoint, at this model's (possibly different) layout."""
         from megatron.core import dist_checkpointing
 
         root = Path(ckpt_dir)
-        load_dist_checkpoint(self.model, root / "model")
+        if self._sharded:
+            fsdp_checkpoint.load_model(self.model, root / "model")
+        else:
+            load_dist_checkpoint(self.model, root / "model")
         if self.optimizer is not None and load_optimizer:
             if not (root / "optimizer").is_dir():
                 raise CheckpointError(f"{root}: no optimizer state (optimizer/) to resume training from")
-            model_state = unwrap(self.model).sharded_state_dict()
-            request = {"optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=True,
-                                                                             metadata=_OPTIM_FORMAT)}
+            sharded_state, names = self._optimizer_sharded_state(is_loading=True)
             try:
-                state = dist_checkpointing.load(request, str(root / "optimizer"))
+                state = dist_checkpointing.load({"optimizer": sharded_state}, str(root / "optimizer"))
             except Exception as exc:  # dist_checkpointing raises several types for missing/mismatched shards
                 raise CheckpointError(f"{root / 'optimizer'}: loading the optimizer state failed: {exc}") from exc
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self._sharded:
+                fsdp_checkpoint.set_optimizer_state(self.model, self.optimizer, state["optimizer"], names)
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.steps = int(state.get("steps", self.steps))

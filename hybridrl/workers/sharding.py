@@ -100,3 +100,34 @@ def gathered_parameters(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             module.reshard()
+
+
+def resident_bytes(*roots: Any) -> int:
+    """Bytes of every tensor storage reachable from `roots` (a model and its optimizer: parameters, gradients,
+    Megatron's buffers, optimizer states), each storage once; a sharded tensor counts its local piece. What a rank
+    holds between steps, for measurements (benchmarks/fsdp_memory.py)."""
+    import types
+
+    seen_objects: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen_objects or isinstance(obj, (str, bytes, int, float, bool, type, types.ModuleType,
+                                                      types.FunctionType, types.BuiltinFunctionType)):
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            local = local_tensor(obj)
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+            stack += [getattr(obj, name, None) for name in ("grad", "main_grad")]
+            stack.append(getattr(obj, "__dict__", {}))
+        elif isinstance(obj, dict):
+            stack += list(obj.values()) + [k for k in obj if isinstance(k, torch.Tensor)]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += list(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.append(vars(obj))
+    storages.pop(0, None)  # freed (resized to 0) storages
+    return sum(storages.values())
