@@ -20,9 +20,9 @@ import torch
 
 from hybridrl.models.builder import unwrap
 from hybridrl.models.config import CheckpointError
-from hybridrl.models.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
+from hybridrl.models.dist_ckpt import read_dist_checkpoint_info, save_dist_checkpoint
 from hybridrl.parallel.distributed import fsdp_row_slice
-from hybridrl.workers.sharding import gathered_parameters, local_tensor
+from hybridrl.workers.sharding import local_tensor, whole_parameters
 
 FORMAT = "fully_reshardable"  # the distributed optimizer's sharding type this module writes and reads
 PREFIX = "optimizer.state"
@@ -119,7 +119,7 @@ def optimizer_state(model: Any, optimizer: Any, is_loading: bool) -> tuple[dict,
             whole[name] = {k: _whole(fp32 if k == "param" else state[k]) if k == "param" or k in state
                            else torch.zeros(param.shape, dtype=fp32.dtype, device=local_tensor(fp32).device)
                            for k in keys}
-    with gathered_parameters(model):
+    with whole_parameters(model, gather=False):
         keys = _model_keys(model)
     param_state = {i: {k: replace(keys[name], key=f"{PREFIX}.{k}.{keys[name].key}", data=t,
                                   **({} if hasattr(keys[name], "build_fn") else {"dtype": t.dtype}))
@@ -132,18 +132,24 @@ def optimizer_state(model: Any, optimizer: Any, is_loading: bool) -> tuple[dict,
 
 def save_model(model: Any, hf_config: Any, out_dir: Path) -> None:
     """The weights as whole TP shards (the format of save_dist_checkpoint at any layout)."""
-    with gathered_parameters(model):
+    with whole_parameters(model, gather=True):
         save_dist_checkpoint(model, hf_config, out_dir)
 
 
 @torch.no_grad()
 def load_model(model: Any, ckpt_dir: Path) -> None:
     """Read whole TP shards from a checkpoint of any layout; keep this rank's rows of each."""
+    from megatron.core import dist_checkpointing
+
+    read_dist_checkpoint_info(ckpt_dir)
     sharded = dict(unwrap(model).named_parameters())
-    with gathered_parameters(model):
-        load_dist_checkpoint(model, ckpt_dir)
-        for name, gathered in unwrap(model).named_parameters():
-            local_tensor(sharded[name]).copy_(gathered[_rows(sharded[name])])
+    with whole_parameters(model, gather=False):
+        try:
+            state = dist_checkpointing.load(unwrap(model).sharded_state_dict(), str(ckpt_dir))
+        except Exception as exc:  # dist_checkpointing raises several types for missing/mismatched shards
+            raise CheckpointError(f"{ckpt_dir}: loading the Megatron checkpoint failed: {exc}") from exc
+    for name, param in sharded.items():
+        local_tensor(param).copy_(state[name][_rows(param)])
 
 
 @torch.no_grad()

@@ -76,30 +76,45 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
-def _fsdp_modules(model: torch.nn.Module) -> list:
+def fsdp_modules(model: torch.nn.Module) -> list:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @contextlib.contextmanager
-def gathered_parameters(model: torch.nn.Module) -> Iterator[None]:
-    """Inside: every parameter of a fully sharded model is its whole TP shard again (collective over the DP
-    group; the gathered copies are freed on exit). For readers of the weights (export, checkpoints); writes to
-    the gathered tensors are lost. A no-op for a model that is not sharded."""
-    modules = _fsdp_modules(model)
-    attributes = {name: {k: v for k, v in vars(param).items() if not k.startswith("_")}
-                  for name, param in model.named_parameters()}
-    for module in modules:
-        module.unshard()
-    for name, param in model.named_parameters():  # Megatron's TP attributes (partition_dim, ...) on the gathered
-        for key, value in attributes.get(name, {}).items():  # tensors too: FSDP2 makes new Parameters for them
-            setattr(param, key, value)
+def whole_parameters(model: Any, gather: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Inside: the model's modules hold plain whole-TP-shard parameters (with Megatron's TP attributes) in place of
+    their FSDP2 shards, so Megatron's sharded_state_dict describes them exactly as at no_shard (FSDP2 resharding in
+    its state-dict hooks is a no-op on an already sharded model). gather: fill them (all-gather over the DP group);
+    else they are empty, for a load. Yields name -> whole tensor; the shards are put back on exit."""
+    inner = unwrap(model)
+    for module in fsdp_modules(model):
+        module.reshard()  # at rest: shards only (a forward-only pass may have left parameters gathered)
+    swapped = []
+    for prefix, module in inner.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not hasattr(param, "full_tensor"):
+                continue
+            data = param.full_tensor() if gather else torch.empty(param.shape, dtype=param.dtype,
+                                                                  device=local_tensor(param).device)
+            whole = torch.nn.Parameter(data.detach(), requires_grad=param.requires_grad)
+            for key, value in vars(param).items():
+                if not key.startswith("_"):  # partition_dim, tensor_model_parallel, ...
+                    setattr(whole, key, value)
+            module._parameters[name] = whole
+            swapped.append((module, name, param, f"{prefix}.{name}" if prefix else name))
     try:
-        yield
+        yield {full: module._parameters[name] for module, name, _, full in swapped}
     finally:
-        for module in modules:
-            module.reshard()
+        for module, name, param, _ in swapped:
+            module._parameters[name] = param
+
+
+def gathered_parameters(model: torch.nn.Module):
+    """Inside: every parameter is its whole TP shard again (all-gathered over the DP group; freed on exit), for
+    readers of the weights (export). A no-op for a model that is not sharded."""
+    return whole_parameters(model, gather=True)
 
 
 def resident_bytes(*roots: Any) -> int:
