@@ -306,3 +306,45 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+# ---- the short API on Ray: one actor update equals plain PyTorch; the rollout's log-probs equal the trainer's -----
+PROMPTS = ["vowels: qzkt", "vowels: bcdf", "vowels: rkjm", "vowels: lfkp"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices,tp", [(2, 1), (4, 2)], ids=["fsdp_dp2", "tp2_x_fsdp_dp2"])
+def test_fully_sharded_actor_update_equals_pytorch(dist_pool, ray_four_devices, tmp_path, devices, tp):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hybridrl
+    from hybridrl.models.tiny import default_model_dir
+    from test_short_api import _hf_policy_gradient  # the reference of the TP=2 x DP=2 test
+
+    for pool in list(dist_pool.pools.values()):  # the gloo pools of the tests above: their memory back first
+        pool.close()
+    path = str(default_model_dir())
+    pool = hybridrl.ResourcePool(devices=devices, name=f"fsdp{devices}")
+    try:
+        actor = hybridrl.Actor(parallel={"tp": tp, "fsdp": "full_shard"}, rollout={"tp": 1, "max_new_tokens": 8},
+                               resource_pool=pool, optim={"optimizer": "sgd", "lr": 1.0, "clip_grad": 1e9},
+                               max_tokens_per_micro_batch=48)
+        assert (actor.layout.tp, actor.layout.dp, actor.layout.fsdp) == (tp, devices // tp, "full_shard")
+        out = actor.generate_sequences(PROMPTS, seed=3)  # generation from the gathered fully sharded shards
+        trainer_log_probs = actor.compute_log_probs(out.sequences)
+        advantages = torch.randn(len(out), generator=torch.Generator().manual_seed(0))
+        metrics = actor.update(actions=out, advantages=advantages)
+        actor.save_hf(str(tmp_path / "trained"))
+    finally:
+        pool.shutdown()
+    assert ((out.log_probs - trainer_log_probs) * out.mask).abs().max() <= 1e-4
+    assert metrics["update_ok"] == 1.0
+    trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    reference = _hf_policy_gradient(path, out.sequences, advantages)  # SGD, lr 1: the step is the gradient
+    for name, grad in reference.items():
+        step = initial[name] - trained[name]
+        assert (step - grad).abs().max() <= 1e-5 * max(1.0, grad.abs().max().item()), name
+    total_norm = torch.sqrt(sum(g.square().sum() for g in reference.values())).item()
+    assert metrics["grad_norm"] == pytest.approx(total_norm, rel=1e-5)

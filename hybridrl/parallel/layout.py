@@ -111,18 +111,6 @@ class ParallelLayout:
         split: chunks of ceil(rows / dp) rows, the last ones shorter or empty); (0, rows) without fsdp."""
         return shard_rows(rows, self.dp_shards, dp_rank if self.dp_shards > 1 else 0)
 
-    def check_fsdp_rows(self, rows: dict[str, int]) -> None:
-        """Refuse fsdp where a TP shard's dim 0 (`rows`: what -> rows) does not split evenly over dp: Megatron's
-        distributed checkpoints of FSDP2 shards assume equal pieces."""
-        if self.dp_shards == 1:
-            return
-        bad = {what: n for what, n in rows.items() if n % self.dp}
-        if bad:
-            what, n = next(iter(bad.items()))
-            raise LayoutError(f"parallel.fsdp={self.fsdp} with dp={self.dp}: the {what} ({n} rows per TP shard) does "
-                              f"not split evenly over dp (Megatron's checkpoints of fully sharded parameters need "
-                              f"equal pieces); choose dp in {divisors(n)} or fsdp=no_shard")
-
     def with_fsdp(self, fsdp: str) -> "ParallelLayout":
         """The same processes, with the role's own model sharding."""
         return self if fsdp == self.fsdp else replace(self, fsdp=fsdp)

@@ -32,7 +32,7 @@ from hybridrl.parallel.distributed import device
 from hybridrl.protocol import Batch
 from hybridrl.workers import fsdp_checkpoint
 from hybridrl.workers.moe_metrics import RoutingTracker
-from hybridrl.workers.sharding import fully_sharded, local_tensor, shards_model
+from hybridrl.workers.sharding import fully_sharded, local_tensor, release_gathered, shards_model
 from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
 
 logger = logging.getLogger(__name__)
@@ -215,6 +215,7 @@ class MegatronModel:
                 outputs = self._run(micro_batches, loss_fn, forward_only=True)
         finally:
             self.model.train(was_training)
+            release_gathered(self.model)  # fsdp: no backward follows to free the gathered parameters
         if "routed_experts" in micro_batches[0]:
             self.forward_routing_mismatch = self.routing_mismatch()
         if not self.is_last_stage:

@@ -51,6 +51,9 @@ def fully_sharded(config: Any, module: torch.nn.Module, fsdp: str) -> torch.nn.M
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    if config.num_moe_experts:
+        raise ValueError(f"parallel.fsdp={fsdp} with a mixture-of-experts model: Megatron's fully sharded wrapper runs "
+                         f"without expert parallelism (Megatron-LM refuses it); use parallel.fsdp=no_shard")
     units: set[type] = {TransformerLayer, RotaryEmbedding}
     if not unwrap(module).share_embeddings_and_output_weights:
         units.add(LanguageModelEmbedding)
@@ -82,6 +85,13 @@ def fsdp_modules(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def release_gathered(model: torch.nn.Module) -> None:
+    """Back to the shards only: FSDP2 keeps shard_grad_op's parameters gathered after a forward until a backward
+    frees them, and a forward-only pass (log-probs, values, scores) has none. A no-op for other models."""
+    for module in fsdp_modules(model):
+        module.reshard()
+
+
 @contextlib.contextmanager
 def whole_parameters(model: Any, gather: bool) -> Iterator[dict[str, torch.Tensor]]:
     """Inside: the model's modules hold plain whole-TP-shard parameters (with Megatron's TP attributes) in place of
@@ -89,8 +99,7 @@ def whole_parameters(model: Any, gather: bool) -> Iterator[dict[str, torch.Tenso
     its state-dict hooks is a no-op on an already sharded model). gather: fill them (all-gather over the DP group);
     else they are empty, for a load. Yields name -> whole tensor; the shards are put back on exit."""
     inner = unwrap(model)
-    for module in fsdp_modules(model):
-        module.reshard()  # at rest: shards only (a forward-only pass may have left parameters gathered)
+    release_gathered(model)  # shards only: the swap below replaces them
     swapped = []
     for prefix, module in inner.named_modules():
         for name, param in list(module._parameters.items()):
