@@ -112,6 +112,89 @@ def test_fully_sharded_reshard_two_ranks(dist_pool, tp_dp, gen_tp, vocab):
     _check_synthetic(dist_pool(2).run(_reshard_fully_sharded, tp_dp, gen_tp, vocab), tp_dp, gen_tp, vocab)
 
 
+# ---- settings and the plan (no process started) ---------------------------------------------------------------
+def _plan(*overrides: str):
+    from hybridrl.cli.train import DEFAULT_CONFIG
+    from hybridrl.config import load_config
+    from hybridrl.trainer.plan import plan_run
+
+    return plan_run(load_config(DEFAULT_CONFIG, ["resources.devices=4", *overrides]))
+
+
+def test_plan_places_fully_sharded_roles():
+    run = _plan("actor.parallel.fsdp=full_shard", "ref.parallel.fsdp=full_shard")
+    actor, ref = run.roles["actor"].layout, run.roles["ref"].layout
+    assert (actor.tp, actor.dp, actor.fsdp, actor.dp_shards) == (2, 2, "full_shard", 2)
+    assert ref.fsdp == "full_shard" and ref == actor  # the same processes: fsdp is how each role wraps its model
+    run = _plan("actor.parallel.fsdp=shard_grad_op")
+    assert run.roles["actor"].layout.fsdp == "shard_grad_op" and run.roles["ref"].layout.fsdp == "no_shard"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.parallel.fsdp=zero3"], r"actor.parallel.fsdp='zero3': is not one of \['no_shard', 'shard_grad_op'"),
+    (["actor.parallel.fsdp=full_shard", "actor.parallel.tp=1", "actor.parallel.pp=2"],
+     "fsdp=full_shard with pp=2: Megatron-Core's fully sharded data parallel does not run with pipeline"),
+    (["actor.parallel.fsdp=full_shard", "rollout.reshard=ds_chat"], "rollout.reshard=ds_chat with actor.parallel.fsdp"),
+    (["actor.parallel.fsdp=full_shard", "resources.pools={gen: 2}", "rollout.pool=gen", "actor.parallel.tp=1",
+      "resources.devices=2"], "rollout.pool='gen' with actor.parallel.fsdp=full_shard"),
+    (["actor.model.path=tiny:qwen3_moe", "actor.parallel.fsdp=full_shard", "actor.parallel.sequence_parallel=true"],
+     "mixture-of-experts model"),
+])
+def test_fully_sharded_combinations_refused_in_one_line(overrides, message):
+    from hybridrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as info:
+        _plan(*overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_short_api_layout_and_refusals():
+    from hybridrl.config import ParallelConfig
+    from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
+    from hybridrl.roles.actor import check_generation
+    from hybridrl.config import RolloutConfig
+
+    held = ("actor", role_layout(ParallelConfig(tp=2, fsdp="full_shard"), 4, "actor", "pool"))
+    ref = role_layout(ParallelConfig(), 4, "ref", "pool", held)
+    assert ref == held[1] and ref.fsdp == "no_shard" and held[1].fsdp == "full_shard"
+    with pytest.raises(LayoutError, match="expert parallelism"):
+        ParallelLayout(dp=4, ep=2, fsdp="full_shard")
+    with pytest.raises(ValueError, match="rollout.reshard=hybridflow_v"):
+        check_generation(RolloutConfig(reshard="hybridflow_v"), held[1])
+
+
+def test_plan_accounts_the_dp_shard_dimension(capsys):
+    """`hybridrl plan --train-fsdp`: a rank receives its generation shard minus its own rows (Table 2 with d)."""
+    import json
+    from fractions import Fraction
+
+    from hybridrl.cli import main
+    from hybridrl.hybrid_engine.accounting import account, table2
+    from hybridrl.hybrid_engine.model_shapes import ModelShapes
+    from hybridrl.hybrid_engine.plan import HybridEnginePlan
+    from hybridrl.parallel.generation import GenerationLayout
+    from hybridrl.parallel.layout import ParallelLayout
+
+    assert main(["plan", "--model", "llama-7b", "--train-tp", "8", "--train-dp", "2", "--gen-tp", "2",
+                 "--train-fsdp", "full_shard", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    m = report["model_bytes"]
+    hybrid = report["strategies"]["hybrid"]
+    assert report["train"]["fsdp"] == "full_shard" and set(report["strategies"]) == {"hybrid", "ds_chat"}
+    assert report["fsdp_gather_groups"][0] == [0, 1, 2, 3, 8, 9, 10, 11]  # the d micro-DP groups of a gen shard
+    assert hybrid["redundant_bytes_per_gpu_max"] < 1e-4 * m  # only norms another TP rank contributes
+    assert hybrid["peak_extra_bytes_per_gpu"] == pytest.approx(m / 2, rel=1e-3)  # M' (norms once per t_g rank)
+    assert hybrid["bytes_per_gpu_mean"] == pytest.approx(m / 2 - m / 16, rel=1e-3)
+    # every tensor partitioned: the per-rank means are Table 2's fully sharded formula exactly
+    specs = tuple(s for s in _specs(16) if s.partition_dim is not None and s.section == "layer")
+    train, gen = ParallelLayout(tp=2, dp=2, fsdp="full_shard"), GenerationLayout(tp=1)
+    plan = HybridEnginePlan(train, gen, ModelShapes("synthetic", specs, LAYERS, 8, 8), dtype_bytes=2)
+    cost = account(plan, "hybrid")
+    want = table2("hybrid", plan.model_bytes, train, gen)
+    assert cost.mean("recv_payload") == want["comm"] == Fraction(3, 4) * plan.model_bytes
+    assert cost.mean("buffer_payload") == want["peak"] and cost.max("redundant") == 0
+
+
 # ---- a real Megatron GPT (the embedded tiny Llama) through Megatron-Core's FSDP2 wrapper -----------------------
 def _rollout_batch(rows: int = 8, seed: int = 0):
     """Rollout-shaped rows (prompts, responses, masks) with per-token advantages."""
