@@ -262,11 +262,15 @@ def _max_rel(got: dict, want: dict) -> float:
 
 def test_fully_sharded_update_equals_no_shard(dist_pool):
     pool = dist_pool(4)
-    reference, *_ = pool.run(_update, 1, "no_shard")
+    unsharded = pool.run(_update, 1, "no_shard")  # Megatron DDP, plain SGD: every rank holds it all
+    reference = unsharded[0]
     initial = _initial_weights()
     for tp, fsdp in [(1, "full_shard"), (2, "full_shard"), (1, "shard_grad_op")]:
         results = pool.run(_update, tp, fsdp)
         metrics, weights, _ = results[0]
+        if tp == 1:  # parameters + gradients resident per rank: 1/dp of the unsharded run's (dp = 4)
+            for (*_, held), (*_, full) in zip(results, unsharded):
+                assert held / full == pytest.approx(1 / 4, rel=0.02), (fsdp, held, full)
         assert metrics["update_ok"] == 1.0
         assert metrics["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-6)
         steps = {k: initial[k] - weights[k] for k in initial}
