@@ -35,6 +35,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     ep: int = 1  # expert parallel (mixture-of-experts models): DP replicas that split each MoE layer's experts
     expert_tp: Optional[int] = None  # the experts' own TP size, dividing tp or a multiple of it (None: tp; else ep > 1)
+    # fully sharded data parallel (parallel/layout.py FSDP_MODES): no_shard (Megatron DDP + its optimizer), shard_grad_op
+    # (gradients + optimizer states sharded over dp; parameters gathered from forward to backward), full_shard (also
+    # the parameters, gathered layer by layer); Megatron-Core's wrapper of PyTorch FSDP2 (workers/sharding.py)
+    fsdp: str = "no_shard"
 
 
 @dataclass

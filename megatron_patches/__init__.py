@@ -12,6 +12,7 @@ Each patch is a module naming the upstream site it replaces, the versions it was
     moe          moe_utils.te_general_gemm missing without Transformer Engine
     optim_ckpt   distributed-optimizer checkpoint load with torch's Adam ("step" state)
     single_rank  no gloo copy of the whole buffer for a one-rank data-parallel reduce-scatter / all-gather
+    fsdp_mesh    Megatron's PyTorch-FSDP2 wrapper builds its mesh on the CPU (torch_fully_sharded_data_parallel.py)
 
 Two vLLM patches live here too, applied explicitly by hybridrl.rollout.vllm_engine (not by `apply()`):
 `vllm_tp_group` (vLLM's TP groups = the hybrid engine's strided generation groups) and `vllm_cpu_moe_reload`
@@ -41,7 +42,7 @@ from megatron_patches.norm_sp import mark_sequence_parallel_params
 logger = logging.getLogger("megatron_patches")
 
 # Order matters only for readability; each patch is independent.
-PATCHES = ("rng", "cuda_device", "tensor_type", "norm_sp", "moe", "optim_ckpt", "single_rank")
+PATCHES = ("rng", "cuda_device", "tensor_type", "norm_sp", "moe", "optim_ckpt", "single_rank", "fsdp_mesh")
 
 __all__ = ["apply", "applied", "check_version", "mark_sequence_parallel_params", "needed",
            "UnsupportedMegatronVersion", "SUPPORTED", "CHECKED_ON", "PATCHES"]

@@ -22,7 +22,7 @@ from hybridrl.automap.search import EXECUTIONS
 from hybridrl.hybrid_engine.accounting import plan_report
 from hybridrl.hybrid_engine.model_shapes import DTYPE_BYTES, PRESETS
 from hybridrl.parallel.generation import GenerationLayout
-from hybridrl.parallel.layout import LayoutError, ParallelLayout
+from hybridrl.parallel.layout import FSDP_MODES, LayoutError, ParallelLayout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-etp", type=int, default=None,
                         help="training expert tensor-parallel size (divides --train-tp or is a multiple of it; "
                              "default: --train-tp)")
+    parser.add_argument("--train-fsdp", choices=FSDP_MODES, default="no_shard",
+                        help="fully sharded data parallel in training: each TP shard's rows split over --train-dp "
+                             "(shard_grad_op and full_shard hold the same parameter shards between steps)")
     parser.add_argument("--gen-ep", type=int, default=1,
                         help="generation expert-parallel size (divides --train-ep; the rollout engines run 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="parameter dtype")
@@ -81,7 +84,7 @@ def _gib(n: float) -> str:
 def build_report(args: argparse.Namespace) -> dict:
     """Validate (before building anything), build the plan and account every strategy."""
     train = ParallelLayout(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, ep=args.train_ep,
-                           etp=args.train_etp)
+                           etp=args.train_etp, fsdp=args.train_fsdp)
     gen = GenerationLayout(tp=args.gen_tp, pp=args.gen_pp, ep=args.gen_ep)
     return plan_report(args.model, train, gen, args.dtype, per_rank=args.per_rank)
 
@@ -93,9 +96,10 @@ def _print_text(report: dict) -> None:
     if report["num_experts"]:
         print(f"experts: {report['num_experts']} per MoE layer, E = {report['expert_bytes'] / 2**30:.2f} GiB; "
               f"training ep={tr['ep']} expert_tp={tr['expert_tp']} -> generation e_g={ge['ep']}")
-    print(f"training p={tr['pp']} t={tr['tp']} d={tr['dp']} -> generation p_g={ge['pp']} t_g={ge['tp']} "
+    fsdp = f" fsdp={tr['fsdp']}" if tr["fsdp"] != "no_shard" else ""
+    print(f"training p={tr['pp']} t={tr['tp']} d={tr['dp']}{fsdp} -> generation p_g={ge['pp']} t_g={ge['tp']} "
           f"d_g={ge['micro_dp']} d={tr['dp']} ({ge['dp']} generation replicas)")
-    for key in ("expert_gather_groups", "micro_dp_groups", "gen_tp_groups", "gen_pp_groups"):
+    for key in ("expert_gather_groups", "micro_dp_groups", "fsdp_gather_groups", "gen_tp_groups", "gen_pp_groups"):
         if not report[key]:
             continue
         groups = report[key]

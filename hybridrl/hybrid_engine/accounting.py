@@ -9,6 +9,11 @@ last, and from partition dims that do not divide). Per rank:
   buffer_payload parameter bytes materialised for generation (Table 2 "peak memory"): the generation shard
                  (hybrid, in place: the rank's own training shard is its slot) or the whole model (baselines)
   redundant      bytes of the rank's training parameters also held in that buffer (Table 2 "redundancy")
+Fully sharded data parallel (train.fsdp): a rank's training shard is its 1/d of the rows of its TP shard; hybrid
+gathers inside the generation DP group (the d micro-DP groups of a generation shard, fsdp_gather.py), so a rank
+receives its generation shard minus its own rows: Table 2's hybrid becomes (t p d - t_g p_g)/(t_g p_g t p d) M,
+M/(t_g p_g), 0. DS-Chat's gather is unchanged (its ZeRO-3 partition is what fsdp holds); HybridFlow-V has no
+whole TP x PP shard to gather and is not accounted.
 Table 2 (M = model bytes): DS-Chat (tpd-1)/(tpd) M, M, M/(tpd); HybridFlow-V (tp-1)/(tp) M, M, M/(tp);
 HybridFlow (tp - t_g p_g)/(t_g p_g t p) M, M/(t_g p_g), 0. The per-rank means reproduce these exactly when
 every parameter is TP-partitioned; norms replicated over TP make the hybrid's generation shards hold them
@@ -24,7 +29,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 
 from hybridrl.hybrid_engine.model_shapes import DTYPE_BYTES, model_shapes
-from hybridrl.hybrid_engine.plan import STRATEGIES, HybridEnginePlan, check_strategy
+from hybridrl.hybrid_engine.plan import HybridEnginePlan, check_strategy
 from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import ParallelLayout
 
@@ -103,7 +108,7 @@ def account(plan: HybridEnginePlan, strategy: str) -> StrategyCost:
 
 
 def account_all(plan: HybridEnginePlan) -> dict[str, StrategyCost]:
-    return {s: account(plan, s) for s in STRATEGIES}
+    return {s: account(plan, s) for s in plan.strategies}
 
 
 def table2(strategy: str, model_bytes: int | Fraction, train: ParallelLayout,
@@ -121,6 +126,9 @@ def table2(strategy: str, model_bytes: int | Fraction, train: ParallelLayout,
         return {"comm": Fraction(mp - 1, mp) * (m - e) + Fraction(emp - 1, emp) * e, "peak": m,
                 "redundancy": (m - e) / mp + e / emp}
     gmp, egmp = tg * pg, tg * pg * gen.ep
+    if train.dp_shards > 1:  # fully sharded: a rank holds 1/d of its TP shard, and receives the rest of its
+        return {"comm": Fraction(mp * d - gmp, gmp * mp * d) * m, "peak": m / gmp,  # generation shard
+                "redundancy": Fraction(0)}
     return {"comm": Fraction(mp - gmp, gmp * mp) * (m - e) + Fraction(emp - egmp, egmp * emp) * e,
             "peak": (m - e) / gmp + e / egmp, "redundancy": Fraction(0)}
 
@@ -143,11 +151,14 @@ def plan_report(model: str, train: ParallelLayout, gen: GenerationLayout, dtype:
     report = {
         "model": model, "dtype": dtype, "model_bytes": plan.model_bytes,
         "expert_bytes": plan.expert_bytes, "num_experts": shapes.num_experts,
-        "train": {"tp": train.tp, "pp": train.pp, "dp": train.dp, "ep": train.ep, "expert_tp": train.expert_tp},
+        "train": {"tp": train.tp, "pp": train.pp, "dp": train.dp, "ep": train.ep, "expert_tp": train.expert_tp,
+                  "fsdp": train.fsdp},
         "gen": {"tp": gen.tp, "pp": gen.pp, "ep": gen.ep, "micro_dp": plan.groups.micro_dp_size,
                 "dp": plan.groups.gen_dp_size},
         "expert_gather_groups": plan.expert_gather_groups("hybrid"),
         "micro_dp_groups": plan.groups.micro_dp_groups(),
+        # fully sharded: the d micro-DP groups of each generation shard gather together (empty otherwise)
+        "fsdp_gather_groups": plan.gather_groups("hybrid") if plan.dp_table else [],
         "gen_tp_groups": plan.groups.gen_tp_groups(),
         "gen_pp_groups": plan.groups.gen_pp_groups(),
         "gen_dp_groups": plan.groups.gen_dp_groups(),

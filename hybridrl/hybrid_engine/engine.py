@@ -65,8 +65,9 @@ class HybridEngine:
         self.train_model = train_model
         # sequence parallelism splits activations along the sequence: decoding one token at a time cannot use
         # it, so a sequence-parallel training model always gets a separate generation model
+        # fully sharded parameters are gathered into a generation model too (fsdp_gather.py)
         self.identity = (self.groups.micro_dp_size == 1 and gen_layout.pp == layout.pp == 1
-                         and not layout.sequence_parallel and layout.ep == 1)
+                         and not layout.sequence_parallel and layout.ep == 1 and layout.dp_shards == 1)
         self.last_stats = ReshardStats()
         self.in_generation = False
         if self.identity:

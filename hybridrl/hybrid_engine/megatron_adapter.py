@@ -17,25 +17,39 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES
 from hybridrl.hybrid_engine.reshard import ShardedParam, new_group_of
 from hybridrl.models.builder import named_global_parameters
 from hybridrl.models.families import is_gated_fc1, tp_partition_dim
 from hybridrl.parallel.generation import GenerationGroups
+from hybridrl.parallel.distributed import fsdp_row_slice
 
 logger = logging.getLogger(__name__)
 
 
 def training_params(model: Any, stage: int) -> list[ShardedParam]:
-    """This rank's training shards of a (possibly wrapped) Megatron GPT model on pipeline stage `stage`."""
+    """This rank's training shards of a (possibly wrapped) Megatron GPT model on pipeline stage `stage`. Under
+    fully sharded data parallel each is this rank's rows of the TP shard (its `dp_slice` says which)."""
     out = []
     for name, param in named_global_parameters(model):
         dim = tp_partition_dim(param)
         regroup = GATED_HALVES if dim is not None and is_gated_fc1(name) else CONCAT
+        if isinstance(param, DTensor):
+            out.append(ShardedParam(name, param.to_local(), dim, stage, regroup, _dp_slice(name, param)))
+            continue
         # the Parameter itself, not .data: a wrapper (Megatron DDP) that later moves its storage is followed
         out.append(ShardedParam(name, param, dim, stage, regroup))
     return out
+
+
+def _dp_slice(name: str, param: DTensor) -> tuple[int, tuple[int, ...]]:
+    """(first row, TP-shard shape) of this rank's piece of an FSDP2 parameter."""
+    try:
+        return fsdp_row_slice(param)[0], tuple(param.shape)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def _this_ranks_group(member_lists: list[list[int]], rank: int):

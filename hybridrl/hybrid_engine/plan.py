@@ -41,7 +41,7 @@ from typing import Sequence
 from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES, ModelShapes, ParamSpec
 from hybridrl.parallel.generation import (GenerationGroups, GenerationLayout, GenShard,
                                           check_generation_layout)
-from hybridrl.parallel.layout import LayoutError, ParallelLayout
+from hybridrl.parallel.layout import LayoutError, ParallelLayout, shard_rows
 
 STRATEGIES = ("hybrid", "ds_chat", "hybridflow_v")
 
@@ -74,6 +74,14 @@ class StageShardTable:
     expert_padding: tuple[tuple[int, ...], ...]  # [pp][tp], all experts
 
 
+@dataclass(frozen=True)
+class DpShardTable:
+    """Fully sharded data parallel: element counts per training stage, TP rank and DP rank (each DP rank holds
+    its rows of every TP shard)."""
+    partitioned: tuple[tuple[tuple[int, ...], ...], ...]  # [pp][tp][dp]
+    replicated: tuple[tuple[int, ...], ...]               # [pp][dp]
+
+
 class HybridEnginePlan:
     """Plan of one (training layout, generation layout, model) triple; all sizes are in bytes of `dtype_bytes`."""
 
@@ -86,6 +94,7 @@ class HybridEnginePlan:
         self.train, self.gen, self.shapes, self.dtype_bytes = train, gen, shapes, dtype_bytes
         self.groups = GenerationGroups(train, gen)
         self.table = self._stage_table()
+        self.dp_table = self._dp_table() if train.dp_shards > 1 else None
 
     # ---- model placement -------------------------------------------------------------------------
     def train_stage_of(self, spec: ParamSpec) -> int:
@@ -119,6 +128,27 @@ class HybridEnginePlan:
         return StageShardTable(*(tuple(map(tuple, x)) for x in (part, pad)), tuple(repl),
                                *(tuple(map(tuple, x)) for x in (expert, expert_pad)))
 
+    def _dp_table(self) -> DpShardTable:
+        """Fully sharded data parallel: each TP shard's rows cut over the DP ranks as FSDP2 cuts them."""
+        if self.shapes.num_experts:
+            raise LayoutError(f"parallel.fsdp={self.train.fsdp} with a mixture-of-experts model: not planned (Megatron's "
+                              f"fully sharded wrapper runs without expert parallelism); use fsdp=no_shard")
+        t, p, d = self.train.tp, self.train.pp, self.train.dp
+        part = [[[0] * d for _ in range(t)] for _ in range(p)]
+        repl = [[0] * d for _ in range(p)]
+        for spec in self.shapes.params:
+            stage = self.train_stage_of(spec)
+            for r in range(t if spec.partition_dim is not None else 1):
+                payload = tp_shard_elements(spec, t, r)[0]
+                rows = payload // (spec.numel // spec.shape[0]) if spec.partition_dim == 0 else spec.shape[0]
+                for k in range(d):
+                    elems = shard_rows(rows, d, k)[1] * (payload // rows if rows else 0)
+                    if spec.partition_dim is None:
+                        repl[stage][k] += elems
+                    else:
+                        part[stage][r][k] += elems
+        return DpShardTable(tuple(tuple(map(tuple, x)) for x in part), tuple(map(tuple, repl)))
+
     @property
     def model_bytes(self) -> int:
         """M: bytes of the whole model, every parameter once."""
@@ -131,9 +161,9 @@ class HybridEnginePlan:
 
     # ---- what each strategy gathers -----------------------------------------------------------------
     def gather_groups(self, strategy: str) -> list[list[int]]:
-        check_strategy(strategy)
-        if strategy == "hybrid":
-            return self.groups.micro_dp_groups()
+        self._check_fsdp_strategy(strategy)
+        if strategy == "hybrid":  # fully sharded: the d micro-DP groups of a generation shard gather together
+            return self.groups.gen_dp_groups() if self.dp_table else self.groups.micro_dp_groups()
         if strategy == "hybridflow_v":
             return self.train.model_parallel_groups()
         return [list(self.train.ranks())]
@@ -195,9 +225,13 @@ class HybridEnginePlan:
         TP rank 0 (baselines). The experts a first stage gathered are part of it (hybrid: 1/e_g of them,
         hybridflow_v: all); ds_chat splits the model-parallel contribution evenly over the DP ranks that
         replicate it (d, or d / ep for experts)."""
-        check_strategy(strategy)
+        self._check_fsdp_strategy(strategy)
         c = self.train.coords(rank)
         owner_tp = (c.tp % self.groups.tp_stride == 0) if strategy == "hybrid" else c.tp == 0
+        if self.dp_table and strategy == "hybrid":  # its DP rows of its TP shard (+ of the norms it owns)
+            dense = self.dp_table.partitioned[c.pp][c.tp][c.dp] + (self.dp_table.replicated[c.pp][c.dp] if owner_tp
+                                                                   else 0)
+            return dense * self.dtype_bytes, 0
         dense = self.table.partitioned[c.pp][c.tp] + (self.table.replicated[c.pp] if owner_tp else 0)
         dense_padding = self.table.tp_padding[c.pp][c.tp]
         if strategy == "ds_chat":  # flat ZeRO-3 split of the model-parallel shard over its replicas
@@ -213,6 +247,9 @@ class HybridEnginePlan:
         """Payload bytes of the rank's training-layout parameters (Megatron: its TP x PP shard, 1/ep of the
         experts at its expert-TP shard)."""
         c = self.train.coords(rank)
+        if self.dp_table:  # fully sharded: its DP rows only
+            return (self.dp_table.partitioned[c.pp][c.tp][c.dp] + self.dp_table.replicated[c.pp][c.dp]) \
+                * self.dtype_bytes
         dense = (self.table.partitioned[c.pp][c.tp] + self.table.replicated[c.pp]) * self.dtype_bytes
         if not self.regroups_experts:
             return dense + self.expert_share(rank, self.train.ep)[0]
@@ -224,6 +261,18 @@ class HybridEnginePlan:
             join = self.train.expert_tp // self.train.tp
             experts = self.table.experts[c.pp][shard // join] // join
         return dense + experts // self.train.ep * self.dtype_bytes
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """The strategies this layout can be accounted for: fully sharded training shards have no whole TP x PP
+        shard for HybridFlow-V to gather (DS-Chat's ZeRO-3 partition is what fsdp holds anyway)."""
+        return ("hybrid", "ds_chat") if self.dp_table else STRATEGIES
+
+    def _check_fsdp_strategy(self, strategy: str) -> None:
+        check_strategy(strategy)
+        if strategy not in self.strategies:
+            raise ValueError(f"strategy {strategy} with parallel.fsdp={self.train.fsdp}: choose one of "
+                             f"{', '.join(self.strategies)}")
 
     # ---- composition of generation shards -----------------------------------------------------------
     def gen_shard(self, rank: int) -> GenShard:
@@ -285,5 +334,5 @@ def training_shard_from_generation(gen_shard, spec: ParamSpec, s_t: int, index: 
     raise LayoutError(f"unknown regroup rule {spec.regroup!r} for {spec.name}")
 
 
-__all__ = ["STRATEGIES", "HybridEnginePlan", "StageShardTable", "check_strategy", "tp_shard_elements",
+__all__ = ["STRATEGIES", "HybridEnginePlan", "StageShardTable", "DpShardTable", "check_strategy", "tp_shard_elements",
            "generation_shard_from_training", "training_shard_from_generation"]

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hybridrl.hybrid_engine.fsdp_gather import DpShardedSchedule
 from hybridrl.hybrid_engine.inplace import InPlaceSchedule, Op, TrainingStorage, numel_of
 from hybridrl.hybrid_engine.model_shapes import CONCAT, ParamSpec
 from hybridrl.hybrid_engine.p2p import run_point_to_point
@@ -72,6 +73,8 @@ class ShardedParam:
     partition_dim: int | None    # None: replicated over TP
     stage: int                   # training pipeline stage holding it
     regroup: str = CONCAT
+    # fully sharded data parallel: `tensor` is rows [first, first + rows) of the whole TP shard of this shape
+    dp_slice: tuple[int, tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,10 +84,11 @@ class ShardMeta:
     shape: tuple[int, ...]
     partition_dim: int | None
     regroup: str
+    dp_slice: tuple[int, tuple[int, ...]] | None = None  # fsdp: (first row, whole TP-shard shape), see ShardedParam
 
     @classmethod
     def of(cls, param: ShardedParam) -> "ShardMeta":
-        return cls(param.name, tuple(param.tensor.shape), param.partition_dim, param.regroup)
+        return cls(param.name, tuple(param.tensor.shape), param.partition_dim, param.regroup, param.dp_slice)
 
     @property
     def numel(self) -> int:
@@ -149,8 +153,13 @@ class Resharder:
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = params[0].tensor.device if params else torch.device("cpu")
         self.params = params
+        # fully sharded data parallel: each TP shard is cut over the DP ranks (fsdp_gather.py)
+        self.dp_sharded = any(p.dp_slice is not None for p in params)
+        if self.dp_sharded and strategy != "hybrid":
+            raise ValueError(f"strategy {strategy} (a baseline) reads whole training shards; fully sharded ones "
+                             f"(parallel.fsdp) move with the hybrid strategy")
         if strategy == "hybrid":
-            member_lists = groups.micro_dp_groups()
+            member_lists = groups.gen_dp_groups() if self.dp_sharded else groups.micro_dp_groups()
             owner = self.coords.tp % groups.tp_stride == 0
         elif strategy == "hybridflow_v":
             member_lists = train.model_parallel_groups()
@@ -177,7 +186,8 @@ class Resharder:
         self._views: dict[str, torch.Tensor] | None = None
         if strategy == "hybrid":
             elems = max(1, bucket_bytes // torch.empty(0, dtype=self.dtype).element_size())
-            self.schedule = InPlaceSchedule(groups, gathered, generation_names, elems)
+            schedule = DpShardedSchedule if self.dp_sharded else InPlaceSchedule
+            self.schedule = schedule(groups, gathered, generation_names, elems)
             self._own = {p.name: p.tensor for p in params}
             self._placed = self.schedule.placed_by(self.me)
         self._storage: TrainingStorage | None = None

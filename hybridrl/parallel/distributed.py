@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 
 import megatron_patches
-from hybridrl.parallel.layout import ParallelLayout
+from hybridrl.parallel.layout import ParallelLayout, shard_rows
 
 logger = logging.getLogger(__name__)
 
@@ -77,3 +77,17 @@ def destroy_model_parallel() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+def fsdp_row_slice(param: torch.Tensor) -> tuple[int, int]:
+    """(first row, row count) of this rank's piece of a fully sharded parameter (FSDP2's DTensor, Shard(0) over
+    one DP mesh), checked against the piece it holds."""
+    placements = getattr(param, "placements", None)
+    if placements is None or len(placements) != 1 or not placements[0].is_shard(0):
+        raise ValueError(f"a fully sharded parameter is a dim-0 shard over one DP mesh, got {placements}")
+    mesh = param.device_mesh
+    first, rows = shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+    held = param.to_local().shape[0]
+    if held != rows:
+        raise ValueError(f"this rank holds {held} rows of {param.shape[0]}, FSDP2's split gives {rows}")
+    return first, rows

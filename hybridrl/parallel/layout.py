@@ -14,8 +14,11 @@ tp=1, etp=2, ep=2 on four ranks). hybridrl supports etp dividing tp or a multipl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Iterator, NamedTuple
+
+# Fully sharded data parallel (ParallelConfig.fsdp): what a role's model shards over its DP group.
+FSDP_MODES = ("no_shard", "shard_grad_op", "full_shard")
 
 
 class LayoutError(ValueError):
@@ -45,8 +48,12 @@ class ParallelLayout:
     vpp: int | None = None  # virtual pipeline chunks per stage (optional)
     ep: int = 1  # expert parallel: DP replicas that split the experts of each MoE layer
     etp: int | None = None  # expert tensor parallel (None: tp); divides tp or is a multiple of it (then ep > 1)
+    # how the role's model shards over its DP group (FSDP_MODES). Not part of the process layout: colocated roles
+    # with different fsdp share the same processes and Megatron state, so layouts compare equal without it
+    fsdp: str = field(default="no_shard", compare=False)
 
     def __post_init__(self) -> None:
+        self._check_fsdp()
         for name in ("tp", "pp", "dp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -78,6 +85,35 @@ class ParallelLayout:
         if slots % self.ep:
             raise LayoutError(f"ep={self.ep} must divide tp*dp/expert_tp = {self.tp}*{self.dp}/{self.expert_tp} = "
                               f"{slots} (the expert-TP groups of a pipeline stage); choose ep in {divisors(slots)}")
+
+    def _check_fsdp(self) -> None:
+        if self.fsdp not in FSDP_MODES:
+            raise LayoutError(f"parallel.fsdp={self.fsdp!r}: choose one of {list(FSDP_MODES)}")
+        if self.fsdp == "no_shard":
+            return
+        # Megatron-LM refuses these with its PyTorch-FSDP2 wrapper (megatron/training/arguments.py, use_torch_fsdp2)
+        if self.pp > 1:
+            raise LayoutError(f"parallel.fsdp={self.fsdp} with pp={self.pp}: Megatron-Core's fully sharded data "
+                              f"parallel does not run with pipeline parallelism; set pp=1 (shard over dp, split "
+                              f"with tp) or fsdp=no_shard")
+        if self.ep > 1:
+            raise LayoutError(f"parallel.fsdp={self.fsdp} with ep={self.ep}: Megatron-Core's fully sharded data "
+                              f"parallel does not run with expert parallelism; set ep=1 or fsdp=no_shard")
+
+    # ---- fully sharded data parallel ---------------------------------------------------------------
+    @property
+    def dp_shards(self) -> int:
+        """Pieces each trained TP shard is cut into over the DP group: dp with fsdp, else 1."""
+        return self.dp if self.fsdp != "no_shard" else 1
+
+    def fsdp_rows(self, rows: int, dp_rank: int) -> tuple[int, int]:
+        """(first row, row count) of a TP shard's dim 0 that DP rank `dp_rank` holds under fsdp (FSDP2's even
+        split: chunks of ceil(rows / dp) rows, the last ones shorter or empty); (0, rows) without fsdp."""
+        return shard_rows(rows, self.dp_shards, dp_rank if self.dp_shards > 1 else 0)
+
+    def with_fsdp(self, fsdp: str) -> "ParallelLayout":
+        """The same processes, with the role's own model sharding."""
+        return self if fsdp == self.fsdp else replace(self, fsdp=fsdp)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -210,7 +246,16 @@ class ParallelLayout:
         extra += f", vpp={self.vpp}" if self.vpp else ""
         extra += f", ep={self.ep}" if self.ep > 1 else ""
         extra += f", expert_tp={self.etp}" if self.etp is not None and self.etp != self.tp else ""
+        extra += f", fsdp={self.fsdp}" if self.fsdp != "no_shard" else ""
         return f"tp={self.tp}, pp={self.pp}, dp={self.dp}{extra}"
+
+
+def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """(first row, row count) of piece `index` when `rows` are cut into `shards` pieces as FSDP2 cuts dim 0 (its
+    Shard(0) placement: pieces of ceil(rows / shards) rows, the last ones shorter or empty)."""
+    each = -(-rows // shards)
+    start = min(rows, index * each)
+    return start, min(each, rows - start)
 
 
 def divisors(n: int) -> list[int]:
@@ -232,7 +277,10 @@ def role_layout(parallel, devices: int, option: str, pool: str, held: "tuple[str
         raise LayoutError(f"{option}.parallel (tp={own.tp}, pp={own.pp}) differs from {first}'s (tp={shared.tp}, "
                           f"pp={shared.pp}) on the shared pool {pool!r}: colocated roles share one layout; drop "
                           f"{option}.parallel or put the role on a pool of its own ({option}.pool + resources.pools)")
-    return shared
+    try:  # the shared processes, sharded as this role asks
+        return shared.with_fsdp(getattr(parallel, "fsdp", "no_shard"))
+    except LayoutError as exc:
+        raise LayoutError(f"{option}.parallel: {exc}") from None
 
 
 def _own_layout(parallel, devices: int, option: str, pool: str) -> ParallelLayout:
@@ -247,6 +295,6 @@ def _own_layout(parallel, devices: int, option: str, pool: str) -> ParallelLayou
                           f"pool {pool!r}; leave dp unset to fill the pool")
     try:
         return ParallelLayout(tp=parallel.tp, pp=parallel.pp, dp=dp, sequence_parallel=parallel.sequence_parallel,
-                              ep=parallel.ep, etp=parallel.expert_tp)
+                              ep=parallel.ep, etp=parallel.expert_tp, fsdp=getattr(parallel, "fsdp", "no_shard"))
     except LayoutError as exc:
         raise LayoutError(f"{option}.parallel: {exc}") from None

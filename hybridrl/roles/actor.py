@@ -202,6 +202,9 @@ def check_generation(rollout: RolloutConfig, layout: ParallelLayout) -> None:
     if layout.tp % rollout.tp or rollout.tp > layout.tp:
         raise ValueError(f"rollout.tp={rollout.tp} must divide actor.parallel.tp={layout.tp} (a generation shard is "
                          f"regrouped from whole training shards); choose rollout.tp in {divisors(layout.tp)}")
+    if layout.fsdp != "no_shard" and rollout.reshard != "hybrid":
+        raise ValueError(f"rollout.reshard={rollout.reshard} with actor.parallel.fsdp={layout.fsdp}: the baselines read "
+                         f"whole training shards; fully sharded ones move with rollout.reshard=hybrid")
 
 
 def _per_token(advantages: Any, mask: torch.Tensor) -> torch.Tensor:

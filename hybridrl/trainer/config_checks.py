@@ -16,6 +16,7 @@ from hybridrl.algorithms.losses import KL_ESTIMATORS
 from hybridrl.config import ConfigError
 from hybridrl.models.hub import parse_hub_id
 from hybridrl.models.tiny import TINY_PREFIX
+from hybridrl.parallel.layout import FSDP_MODES
 from hybridrl.roles.reward import check_score_format
 from hybridrl.rollout import sampling_params_from_config
 from hybridrl.rollout.base import SamplingParamsError
@@ -89,6 +90,8 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("{r}.parallel.tp", "{r}.parallel.pp"), _at_least(1), "must be >= 1", "1 means no split"),
     (("{r}.parallel.dp",), _optional(_at_least(1)), "must be >= 1", "leave unset: the pool's devices / (tp * pp)"),
     (("{r}.parallel.ep",), _at_least(1), "must be >= 1", "1: every rank holds all experts"),
+    (("{r}.parallel.fsdp",), _one_of(*FSDP_MODES), f"is not one of {list(FSDP_MODES)}",
+     "full_shard shards parameters, gradients and optimizer states over dp; no_shard: Megatron DDP"),
     (("rollout.ep",), _at_least(1), "must be >= 1", "1: every generation replica holds all experts"),
     (("{r}.parallel.expert_tp",), _optional(_at_least(1)), "must be >= 1",
      "leave unset for the dense tp; 1 keeps each expert whole"),

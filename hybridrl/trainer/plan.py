@@ -88,6 +88,7 @@ def plan_run(cfg: Any) -> RunPlan:
                    rows_per_step=rows)
     _place_roles(cfg, plan)
     plan.rollout = _resolve_rollout(cfg, plan, max_len)
+    _check_fully_sharded(plan)
     _check_batch_splits(plan)
     _plan_rewards(cfg, plan)
     for file in cfg.data.train_files:
@@ -300,6 +301,25 @@ def _check_batch_splits(plan: RunPlan) -> None:
                    f"data.batch_size * rollout.n = {plan.rows_per_step} sequences must split evenly over {role}'s "
                    f"dp={dp} data-parallel ranks with at least {mini} per rank (one per mini-batch); change "
                    f"data.batch_size or the layout")
+
+
+def _check_fully_sharded(plan: RunPlan) -> None:
+    """parallel.fsdp where it combines (its value and tp/pp/ep are the layout's checks): dense models, and an
+    actor whose weights reach generation through the colocated hybrid engine's gather."""
+    for role, rp in plan.roles.items():
+        if rp.layout.fsdp == "no_shard" or role == "rollout":
+            continue
+        option = ROLE_SECTIONS.get(role, role)
+        _check(rp.model_path is None or _experts_of(rp.model_path) is None,
+               f"{option}.parallel.fsdp={rp.layout.fsdp} with the mixture-of-experts model {rp.model_path}: Megatron's "
+               f"fully sharded wrapper runs without expert parallelism; set {option}.parallel.fsdp=no_shard")
+    actor = plan.roles.get("actor")
+    if actor is None or actor.layout.fsdp == "no_shard":
+        return
+    roll = plan.rollout  # (rollout.reshard: roles.actor.check_generation)
+    _check(roll.pool == actor.pool, f"rollout.pool={roll.pool!r} with actor.parallel.fsdp={actor.layout.fsdp}: the "
+                                    f"weight sync to a rollout pool of its own sends whole training shards; colocate "
+                                    f"the rollout (rollout.pool={actor.pool!r}) or set actor.parallel.fsdp=no_shard")
 
 
 # ---- generation ----------------------------------------------------------------------------------------------

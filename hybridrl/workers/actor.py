@@ -28,6 +28,7 @@ from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
 from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs, response_mask
+from hybridrl.workers.sharding import gathered_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +208,8 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:
         """Write the current policy as a Hugging Face folder (collective; rank 0 writes)."""
-        export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
+        with gathered_parameters(self.model.model):  # fsdp: whole TP shards while exporting
+            export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
 
 
 class ReferenceWorker(_LogProbMixin, Worker):

@@ -30,7 +30,9 @@ from hybridrl.models.families import ModelDims
 from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.parallel.distributed import device
 from hybridrl.protocol import Batch
+from hybridrl.workers import fsdp_checkpoint
 from hybridrl.workers.moe_metrics import RoutingTracker
+from hybridrl.workers.sharding import fully_sharded, local_tensor, release_gathered, shards_model
 from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,8 @@ class MegatronModel:
 
     def __init__(self, path: str, *, head: str = "lm", dtype: str = "float32", micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = None, optim: OptimConfig | None = None,
-                 moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234) -> None:
+                 moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234,
+                 fsdp: str = "no_shard") -> None:
         from megatron.core import parallel_state
 
         if dtype not in DTYPES:
@@ -78,6 +81,7 @@ class MegatronModel:
         self.path, self.head, self.dtype = path, head, dtype
         self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
         self.sequence_parallel = sequence_parallel
+        self.fsdp = fsdp  # parallel.fsdp: fully sharded data parallel (workers/sharding.py)
         self.hf_config = load_hf_config(path)
         torch.manual_seed(seed)
         model = build_gpt_model(self.hf_config, head=head, dtype=DTYPES[dtype], sequence_parallel=sequence_parallel,
@@ -102,6 +106,8 @@ class MegatronModel:
             self._make_trainable(optim)
             if model.config.num_moe_experts:
                 self.routing = RoutingTracker(model)
+        elif shards_model(fsdp, trainable=False):  # a frozen model's parameters, sharded over the DP group
+            self.model = fully_sharded(model.config, model, fsdp)
         self.steps = 0
 
     # ---- training setup ------------------------------------------------------------------------------
@@ -112,7 +118,7 @@ class MegatronModel:
         return cls(role.model.path, head=head, dtype=role.model.dtype, micro_batch_size=role.micro_batch_size,
                    max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
                    optim=role.optim if trainable else None, moe=role.moe,
-                   sequence_parallel=layout.sequence_parallel, seed=seed)
+                   sequence_parallel=layout.sequence_parallel, seed=seed, fsdp=layout.fsdp)
 
     def _make_trainable(self, optim: OptimConfig) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -126,14 +132,17 @@ class MegatronModel:
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(config, model)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=optim.use_distributed_optimizer)
-        self.model = DistributedDataParallel(config, ddp_config, model)
+        distributed = optim.use_distributed_optimizer
+        if shards_model(self.fsdp, trainable=True):  # sharded parameters: Megatron's plain optimizer over them
+            self.model, distributed = fully_sharded(config, model, self.fsdp), False
+        else:
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
+            self.model = DistributedDataParallel(config, ddp_config, model)
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer=optim.optimizer, sgd_momentum=0.0, lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
                             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], clip_grad=optim.clip_grad,
-                            use_distributed_optimizer=optim.use_distributed_optimizer, bf16=config.bf16,
+                            use_distributed_optimizer=distributed, bf16=config.bf16,
                             fp16=config.fp16, params_dtype=config.params_dtype), [self.model])
         warmup = max(0, int(optim.warmup_steps))
         self.scheduler = OptimizerParamScheduler(
@@ -206,6 +215,7 @@ class MegatronModel:
                 outputs = self._run(micro_batches, loss_fn, forward_only=True)
         finally:
             self.model.train(was_training)
+            release_gathered(self.model)  # fsdp: no backward follows to free the gathered parameters
         if "routed_experts" in micro_batches[0]:
             self.forward_routing_mismatch = self.routing_mismatch()
         if not self.is_last_stage:
@@ -299,7 +309,7 @@ class MegatronModel:
         for param in self.inner.parameters():
             grad = getattr(param, "main_grad", None)
             if grad is None:
-                grad = param.grad
+                grad = param.grad if param.grad is None else local_tensor(param.grad)  # fsdp: this rank's piece
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 bad.fill_(1.0)
                 break
@@ -316,14 +326,15 @@ class MegatronModel:
 
         root = Path(out_dir)
         rank = torch.distributed.get_rank()
-        save_dist_checkpoint(self.model, self.hf_config, root / "model")
+        if self._sharded:  # fully sharded: the same format, from the gathered TP shards (fsdp_checkpoint.py)
+            fsdp_checkpoint.save_model(self.model, self.hf_config, root / "model")
+        else:
+            save_dist_checkpoint(self.model, self.hf_config, root / "model")
         if self.optimizer is not None:
             if rank == 0:
                 (root / "optimizer").mkdir(parents=True, exist_ok=True)
             torch.distributed.barrier()
-            model_state = unwrap(self.model).sharded_state_dict()
-            state = {"optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=False,
-                                                                      metadata=_OPTIM_FORMAT),
+            state = {"optimizer": self._optimizer_sharded_state(is_loading=False)[0],
                      "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                      "steps": self.steps}
             dist_checkpointing.save(state, str(root / "optimizer"))
@@ -331,23 +342,40 @@ class MegatronModel:
         torch.save(_rng_states(), root / "rng" / f"rank_{rank:05d}.pt")
         torch.distributed.barrier()
 
+    @property
+    def _sharded(self) -> bool:
+        """Whether this model is fully sharded over its DP group (parallel.fsdp)."""
+        return shards_model(self.fsdp, trainable=self.optimizer is not None)
+
+    def _optimizer_sharded_state(self, is_loading: bool) -> tuple[dict, list[str] | None]:
+        """The optimizer's state as Megatron's distributed checkpoint saves / requests it: the distributed
+        optimizer's model-space format, which a fully sharded model writes and reads too (fsdp_checkpoint.py)."""
+        if self._sharded:
+            return fsdp_checkpoint.optimizer_state(self.model, self.optimizer, is_loading)
+        model_state = unwrap(self.model).sharded_state_dict()
+        return self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIM_FORMAT), None
+
     def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
         """Collective: the inverse of save_checkpoint, at this model's (possibly different) layout."""
         from megatron.core import dist_checkpointing
 
         root = Path(ckpt_dir)
-        load_dist_checkpoint(self.model, root / "model")
+        if self._sharded:
+            fsdp_checkpoint.load_model(self.model, root / "model")
+        else:
+            load_dist_checkpoint(self.model, root / "model")
         if self.optimizer is not None and load_optimizer:
             if not (root / "optimizer").is_dir():
                 raise CheckpointError(f"{root}: no optimizer state (optimizer/) to resume training from")
-            model_state = unwrap(self.model).sharded_state_dict()
-            request = {"optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=True,
-                                                                             metadata=_OPTIM_FORMAT)}
+            sharded_state, names = self._optimizer_sharded_state(is_loading=True)
             try:
-                state = dist_checkpointing.load(request, str(root / "optimizer"))
+                state = dist_checkpointing.load({"optimizer": sharded_state}, str(root / "optimizer"))
             except Exception as exc:  # dist_checkpointing raises several types for missing/mismatched shards
                 raise CheckpointError(f"{root / 'optimizer'}: loading the optimizer state failed: {exc}") from exc
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self._sharded:
+                fsdp_checkpoint.set_optimizer_state(self.model, self.optimizer, state["optimizer"], names)
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.steps = int(state.get("steps", self.steps))

@@ -63,7 +63,7 @@ class RewardModelWorker(Worker):
         self.model = MegatronModel(scorer.model, head="scalar", dtype=scorer.dtype,
                                    micro_batch_size=scorer.micro_batch_size,
                                    max_tokens_per_micro_batch=scorer.max_tokens_per_micro_batch,
-                                   sequence_parallel=self.layout.sequence_parallel, seed=seed)
+                                   sequence_parallel=self.layout.sequence_parallel, seed=seed, fsdp=self.layout.fsdp)
 
     @register(Dispatch.DP_COMPUTE)
     def score(self, data: Batch) -> Batch | None:
