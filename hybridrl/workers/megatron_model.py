@@ -20,13 +20,15 @@ from typing import Any, Callable
 
 import torch
 
-from hybridrl.config import MoeConfig, OptimConfig, RoleConfig
+from hybridrl.config import LoraConfig, MoeConfig, OptimConfig, RoleConfig
 from hybridrl.controller.dispatch import Dispatch, register
-from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+from hybridrl.models import build_gpt_model, load_hf_weights
 from hybridrl.models.builder import shares_rows, unwrap
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
 from hybridrl.models.families import ModelDims
+from hybridrl.models.lora_io import add_adapters
+from hybridrl.models.peft import model_config, model_weights
 from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.parallel.distributed import device
 from hybridrl.protocol import Batch
@@ -66,7 +68,8 @@ class MegatronModel:
 
     def __init__(self, path: str, *, head: str = "lm", dtype: str = "float32", micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = None, optim: OptimConfig | None = None,
-                 moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234) -> None:
+                 moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234,
+                 lora: LoraConfig | None = None) -> None:
         from megatron.core import parallel_state
 
         if dtype not in DTYPES:
@@ -78,12 +81,15 @@ class MegatronModel:
         self.path, self.head, self.dtype = path, head, dtype
         self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
         self.sequence_parallel = sequence_parallel
-        self.hf_config = load_hf_config(path)
+        self.hf_config = model_config(path)  # a PEFT adapter folder: its base with the adapter merged (models/peft.py)
         torch.manual_seed(seed)
+        self.lora = lora if lora is not None and lora.enabled and optim is not None else None
         model = build_gpt_model(self.hf_config, head=head, dtype=DTYPES[dtype], sequence_parallel=sequence_parallel,
-                                **_router_losses(self.hf_config, moe or MoeConfig()))
+                                **_router_losses(self.hf_config, moe or MoeConfig()), local_spec=self.lora is not None)
         model = model.to(device())
-        load_hf_weights(model, path, self.hf_config, init_missing_score=head == "scalar")
+        load_hf_weights(model, model_weights(path), self.hf_config, init_missing_score=head == "scalar")
+        if self.lora is not None:  # adapters only are trained: the optimizer below sees nothing else
+            add_adapters(model, self.lora, seed=seed)
         self.inner = model
         self.vocab_size = int(self.hf_config.vocab_size)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -112,7 +118,7 @@ class MegatronModel:
         return cls(role.model.path, head=head, dtype=role.model.dtype, micro_batch_size=role.micro_batch_size,
                    max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
                    optim=role.optim if trainable else None, moe=role.moe,
-                   sequence_parallel=layout.sequence_parallel, seed=seed)
+                   sequence_parallel=layout.sequence_parallel, seed=seed, lora=role.lora)
 
     def _make_trainable(self, optim: OptimConfig) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
