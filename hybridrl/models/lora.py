@@ -376,3 +376,15 @@ class MergedWeights:
         for adapter in self.adapters:
             adapter.active = True
         self.kept = []
+
+
+@contextmanager
+def merged_adapters(model: Any) -> Iterator[MergedWeights | None]:
+    """W + BA in the weights for the block (exported, sent, generated with), W restored after; a model without
+    adapters is left as it is (None)."""
+    merged = MergedWeights(model) if adapters_of(model) else None
+    try:
+        yield merged
+    finally:
+        if merged is not None:
+            merged.restore()

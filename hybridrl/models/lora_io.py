@@ -25,6 +25,7 @@ from hybridrl.models.lora import LoraAdapter, adapters_of, attach_lora, lora_lin
 from hybridrl.models.peft import PeftAdapter, read_peft_adapter, write_peft_adapter
 
 HEAD = ("output_layer.weight", "score.weight")  # a trained value / score head: modules_to_save
+ADAPTER_DIR = "adapter"  # a LoRA role's checkpoint: its adapters as a PEFT folder (the base is referenced)
 
 
 def hf_module_names(model: Any) -> Callable[[str, str], list[str]]:
@@ -143,9 +144,7 @@ def add_adapters(model: Any, cfg: LoraConfig, *, seed: int) -> list[LoraAdapter]
     trainable = (HEAD[0],) if inner.hybridrl_head == "scalar" else ()
     adapters = attach_lora(inner, cfg, hf_modules_of=hf_module_names(inner), seed=seed, trainable=trainable)
     if cfg.init not in LORA_INITS:
-        source = read_peft_adapter(cfg.init)
-        load_adapter_factors(inner, source)
-        load_saved_head(inner, source)
+        load_adapter_folder(inner, cfg.init)
     return adapters
 
 
@@ -179,3 +178,10 @@ def resolve_lora_config(cfg: LoraConfig) -> LoraConfig:
         raise ValueError(f"lora.target_modules={list(cfg.target_modules)} but the adapter in lora.init adapts "
                          f"{targets}: leave it unset or match it")
     return replace(cfg, rank=source.rank, alpha=source.alpha, target_modules=targets)
+
+
+def load_adapter_folder(model: Any, folder: str | Path) -> None:
+    """Collective-free: this rank's adapter shards (and a trained head) from a PEFT adapter folder."""
+    source = read_peft_adapter(folder)
+    load_adapter_factors(model, source)
+    load_saved_head(model, source)

@@ -8,14 +8,16 @@ from typing import Any, Iterator
 
 import torch
 
-from hybridrl.config import ModelConfig, MoeConfig, OptimConfig, ParallelConfig, RoleConfig, RolloutConfig, as_section
+from hybridrl.config import (LoraConfig, ModelConfig, MoeConfig, OptimConfig, ParallelConfig, RoleConfig, RolloutConfig,
+                             as_section)
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.tiny import resolve_model_path
 from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, divisors
 from hybridrl.protocol import Batch
-from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, layout_on, start_pool
+from hybridrl.roles.base import (DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, checked_lora, layout_on,
+                                 start_pool)
 from hybridrl.rollout import SamplingParams, TokenIds, sampling_params_from_config
 from hybridrl.rollout.prompts import check_prompts, encode_prompts, left_pad
 from hybridrl.rollout.types import Rollout, as_sequences, merge_replicas, policy_inputs, rollouts_from_replicas
@@ -32,6 +34,8 @@ class Actor(Role):
     optim: config.OptimConfig (lr, weight_decay, betas, clip_grad, warmup_steps, use_distributed_optimizer).
     loss: workers.policy.PolicyLossConfig (clip_ratio, entropy_coef, kl_estimator, policy_loss, loss_agg, ...).
     moe (models with experts): config.MoeConfig, the routers' aux_loss_coef and z_loss_coef.
+    lora: config.LoraConfig (rank, alpha, dropout, target_modules, init): train adapters only, the base frozen;
+    `reference_log_probs` then gives the base model's log-probs (the reference policy, no second model).
     Each may be a dict (checked: unknown keys are refused) or the dataclass itself.
     """
 
@@ -41,9 +45,11 @@ class Actor(Role):
                  micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", tokenizer: Any = None, seed: int = 1, role: str = "actor",
-                 call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None) -> None:
+                 call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None,
+                 lora: dict | LoraConfig | None = None) -> None:
         path = resolve_model_path(model)
         settings = RoleConfig(model=ModelConfig(path, dtype), moe=as_section(MoeConfig, moe, "Actor(moe=...)"),
+                              lora=checked_lora(lora, "Actor(lora=...)"),
                               optim=as_section(OptimConfig, optim, "Actor(optim=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if isinstance(rollout, dict):  # the short API's engine unless named: native (the trainer resolves auto)
@@ -157,6 +163,11 @@ class Actor(Role):
             raise ValueError(f"actor.update: {len(data)} sequences cannot fill dp={dp} x mini_batches={mini_batches}")
         settings = dataclasses.replace(self.loss, **loss) if loss else self.loss
         return average_metrics(self.group.update(data, settings, mini_batches, epochs))
+
+    def reference_log_probs(self, sequences: Any) -> torch.Tensor:
+        """[B, R] log-probs of the responses under a LoRA actor's base model (its adapters off): the reference
+        policy without a reference model."""
+        return self.group.compute_ref_log_probs(policy_inputs(sequences))["ref_log_probs"]
 
     # ---- weights -----------------------------------------------------------------------------------------
     def save_hf(self, out_dir: str) -> None:

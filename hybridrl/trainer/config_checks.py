@@ -123,6 +123,17 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("trainer.call_timeout_s",), _above(0), "must be > 0", "seconds one worker call may take"),
 ]
 
+# LoRA adapters (actor.lora, critic.lora; models/lora.py)
+RULES += [
+    (("{m}.lora.rank",), _at_least(0), "must be >= 0", "0 turns LoRA off; 8-64 is common"),
+    (("{m}.lora.alpha",), _optional(_above(0)), "must be > 0", "leave unset: alpha = rank"),
+    (("{m}.lora.dropout",), lambda v: v is not None and 0.0 <= v < 1.0, "must be in [0, 1)", "0: no dropout"),
+    (("{m}.lora.generation",), _one_of("merge", "forward"), "is not merge or forward", "merge"),
+    (("{m}.lora.init",), lambda v: v in ("kaiming", "gaussian") or (Path(str(v)).expanduser() /
+                                                                   "adapter_config.json").is_file(),
+     "is not kaiming, gaussian or a PEFT adapter folder (adapter_config.json)", "kaiming"),
+]
+
 
 def _expand(option: str) -> list[str]:
     groups = {"{m}": MODEL_ROLES, "{s}": SCORE_MODELS, "{r}": MODEL_ROLES + SCORE_MODELS}

@@ -221,6 +221,9 @@ class RLTrainer:
         if "ref" in roles:
             with timer("reference"):
                 step.ref_log_probs = roles["ref"].get_log_probs(out)
+        elif self.plan.step.reference_from_actor:  # a LoRA actor's base model: its adapters off
+            with timer("reference"):
+                step.ref_log_probs = roles["actor"].reference_log_probs(out)
         # exactly on-policy, the update's own forward gives the old log-probs: see StepNeeds.old_log_probs
         if self.plan.step.old_log_probs:
             with timer("old_log_probs"):

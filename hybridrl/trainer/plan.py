@@ -20,7 +20,7 @@ from hybridrl.algorithms.loss_agg import check_loss_agg
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
-from hybridrl.config import ROLE_SECTIONS, ConfigError, RolloutConfig, typed
+from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, typed
 from hybridrl.data.tasks import task_reward_path
 from hybridrl.envs import env_class
 from hybridrl.hybrid_engine.plan import STRATEGIES
@@ -33,6 +33,7 @@ from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
 from hybridrl.trainer.config_checks import check_values
+from hybridrl.trainer.plan_lora import check_lora_experts, plan_lora
 from hybridrl.workers.policy import PolicyLossConfig
 from hybridrl.workers.rule_reward import load_reward_fn
 
@@ -63,6 +64,7 @@ class RunPlan:
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
     # generation batches in flight ahead of training: 0 sync, 1 one_step_off, algorithm.max_staleness async
     rollout_ahead: int = 0
+    lora: dict[str, LoraConfig] = field(default_factory=dict)  # actor / critic adapters, resolved (plan_lora.py)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -82,11 +84,14 @@ def plan_run(cfg: Any) -> RunPlan:
            f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide data.batch_size * rollout.n = "
            f"{rows}")
     max_len = _max_model_len(cfg, response_length)
-    step = step_needs(spec, typed(cfg.algorithm), rows)
+    step, lora = plan_lora(cfg, step_needs(spec, typed(cfg.algorithm), rows))
     plan = RunPlan(algorithm=spec, pools=_pools(cfg.resources), step=step, rollout=typed(cfg.rollout),
                    loss=_loss(cfg, spec, loss_agg, response_length), response_length=response_length,
-                   rows_per_step=rows)
+                   rows_per_step=rows, lora=lora)
     _place_roles(cfg, plan)
+    for role, settings in lora.items():
+        if role in plan.roles:
+            check_lora_experts(role, settings, plan.roles[role].model_path, plan.roles[role].layout)
     plan.rollout = _resolve_rollout(cfg, plan, max_len)
     _check_batch_splits(plan)
     _plan_rewards(cfg, plan)
@@ -215,7 +220,8 @@ def _max_model_len(cfg: Any, response_length: int) -> int:
 
 # ---- roles, pools and layouts ------------------------------------------------------------------------------
 def _wanted_roles(cfg: Any, step: StepNeeds) -> list[str]:
-    wanted = ["actor"] + ["ref"] * step.reference + ["critic"] * step.critic + ["cost_critic"] * step.cost
+    reference_model = step.reference and not step.reference_from_actor  # a LoRA actor can be its own reference
+    wanted = ["actor"] + ["ref"] * reference_model + ["critic"] * step.critic + ["cost_critic"] * step.cost
     return wanted + ["reward"] * bool(cfg.reward_model.model) + ["cost"] * bool(step.cost and cfg.cost_model.model)
 
 

@@ -23,6 +23,7 @@ from hybridrl.hybrid_engine.engine import HybridEngine
 from hybridrl.hybrid_engine.megatron_adapter import training_params
 from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
+from hybridrl.models.lora import MergedWeights, adapters_disabled, merged_adapters
 from hybridrl.parallel.generation import GenerationLayout
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
@@ -66,6 +67,7 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
                                            tp_groups=tp_groups)
         self.engine.release()  # KV cache only while generating
         self._generating = False  # between begin_generation and end_generation
+        self._merged = None  # LoRA: the merged weights while generating (their base kept aside)
 
     # ---- generation ------------------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
@@ -99,7 +101,11 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         if self._generating:
             return 0.0
         start = time.perf_counter()
+        # LoRA: the generation weights are W + BA, merged here in the training layout and resharded as any weight
+        self._merged = MergedWeights(self.model.inner) if self.model.lora is not None else None
         gen_model = self.hybrid.to_generation()
+        if self._merged is not None:
+            self.hybrid.last_stats.extra["lora_kept_bytes"] = self._merged.kept_bytes
         self._generating = True
         self._push_weights(gen_model)
         self.engine.wake()
@@ -135,6 +141,9 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         start = time.perf_counter()
         self.engine.release()
         self.hybrid.to_training()
+        if self._merged is not None:  # the frozen base back, bit for bit
+            self._merged.restore()
+            self._merged = None
         self._generating = False
         return time.perf_counter() - start
 
@@ -167,8 +176,9 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
             self._sends.pop(0).wait()
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
         metas = [ShardMeta.of(p) for p in params]
-        sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
-                                  self.world_size)
+        with merged_adapters(self.model.inner):  # LoRA: W + BA go (send_shards packs copies before returning)
+            sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
+                                      self.world_size)
         self._sends.append(sends)
         if self.rank == 0:  # the replicas of a partial rollout take the new weights at once
             self._bridge.announce()
@@ -206,8 +216,17 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:
-        """Write the current policy as a Hugging Face folder (collective; rank 0 writes)."""
-        export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
+        """Write the current policy as a Hugging Face folder (collective; rank 0 writes); LoRA: merged."""
+        with merged_adapters(self.model.inner):
+            export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_ref_log_probs(self, data: Batch) -> Batch:
+        """"ref_log_probs" of a LoRA actor's base model (its adapters off): the reference policy, no second copy."""
+        if self.model.lora is None:
+            raise RuntimeError("the actor is its own reference only with LoRA adapters (actor.lora)")
+        with adapters_disabled(self.model.inner):
+            return self._log_probs(data, "ref_log_probs")
 
 
 class ReferenceWorker(_LogProbMixin, Worker):

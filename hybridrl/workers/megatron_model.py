@@ -27,7 +27,7 @@ from hybridrl.models.builder import shares_rows, unwrap
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
 from hybridrl.models.families import ModelDims
-from hybridrl.models.lora_io import add_adapters
+from hybridrl.models.lora_io import ADAPTER_DIR, add_adapters, load_adapter_folder, save_adapter_folder
 from hybridrl.models.peft import model_config, model_weights
 from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.parallel.distributed import device
@@ -315,14 +315,18 @@ class MegatronModel:
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str) -> None:
         """Collective over the role's ranks. Writes out_dir/model (a Megatron distributed checkpoint of the
-        weights that loads at any TP/PP, see models/dist_ckpt.py), out_dir/optimizer (the optimizer's sharded
+        weights that loads at any TP/PP, see models/dist_ckpt.py; LoRA: out_dir/adapter instead, a PEFT adapter
+        folder naming the frozen base, which is not copied), out_dir/optimizer (the optimizer's sharded
         state in model space, so it reshards too, plus the LR scheduler and step count) and out_dir/rng (this
         rank's RNG states, restored only at the same layout)."""
         from megatron.core import dist_checkpointing
 
         root = Path(out_dir)
         rank = torch.distributed.get_rank()
-        save_dist_checkpoint(self.model, self.hf_config, root / "model")
+        if self.lora is not None:
+            save_adapter_folder(self.model, root / ADAPTER_DIR, base=self.path, dropout=self.lora.dropout)
+        else:
+            save_dist_checkpoint(self.model, self.hf_config, root / "model")
         if self.optimizer is not None:
             if rank == 0:
                 (root / "optimizer").mkdir(parents=True, exist_ok=True)
@@ -342,7 +346,13 @@ class MegatronModel:
         from megatron.core import dist_checkpointing
 
         root = Path(ckpt_dir)
-        load_dist_checkpoint(self.model, root / "model")
+        if self.lora is not None:
+            if not (root / ADAPTER_DIR).is_dir():
+                raise CheckpointError(f"{root}: no {ADAPTER_DIR}/ (a LoRA checkpoint's adapters); it was saved "
+                                      f"without LoRA: resume with the same lora settings")
+            load_adapter_folder(self.model, root / ADAPTER_DIR)
+        else:
+            load_dist_checkpoint(self.model, root / "model")
         if self.optimizer is not None and load_optimizer:
             if not (root / "optimizer").is_dir():
                 raise CheckpointError(f"{root}: no optimizer state (optimizer/) to resume training from")

@@ -1,0 +1,66 @@
+"""A LoRA actor through the short API on a real local Ray cluster (4 devices, TP=2 x PP=2, generation TP=1).
+
+- generation sees W + BA: the native engine's log-probs (merged weights resharded by the 3D-HybridEngine) equal
+  the trainer's (<= 1e-4), and the training weights are restored bit for bit (the next forward is unchanged);
+- the reference for free: the actor's adapters-off log-probs equal a separately built reference's (<= 1e-5);
+- checkpoints hold the adapters (a PEFT folder naming the base, no weights copied) and the optimizer; peft +
+  transformers load them with the actor's log-probs, the merged export gives the same, and a resume repeats
+  the next update exactly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridrl
+from lora_helpers import make_peft_adapter, peft_model, response_log_probs
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["vowels: qzkt", "vowels: bcdf", "vowels: rkjm", "vowels: lfkp"] * 2
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from hybridrl.models.tiny import default_model_dir
+
+    base = str(default_model_dir())
+    return base, make_peft_adapter(base, tmp_path_factory.mktemp("lora_actor") / "adapter")
+
+
+def test_lora_actor_generates_with_adapters_is_its_own_reference_and_resumes(ray_four_devices, adapter, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base, adapter_dir = adapter
+    pool = hybridrl.ResourcePool(devices=4)
+    try:
+        actor = hybridrl.Actor(parallel={"tp": 2, "pp": 2}, rollout={"tp": 1, "max_new_tokens": 8}, resource_pool=pool,
+                               optim={"lr": 1e-2}, lora={"init": adapter_dir})
+        ref = hybridrl.ReferencePolicy(resource_pool=pool)
+        out = actor.generate_sequences(PROMPTS, seed=3)
+        mask = out.mask
+        trained = actor.compute_log_probs(out)
+        assert ((out.log_probs - trained) * mask).abs().max() <= 1e-4  # the rollout saw W + BA
+        assert torch.equal(actor.compute_log_probs(out), trained)  # the base came back bit for bit
+        base_log_probs = actor.reference_log_probs(out)
+        assert ((base_log_probs - ref.get_log_probs(out)) * mask).abs().max() <= 1e-5
+        assert ((base_log_probs - trained) * mask).abs().max() > 1e-3  # the adapters do change the policy
+        advantages = torch.randn(len(out), generator=torch.Generator().manual_seed(0))
+        actor.update(actions=out, advantages=advantages)
+        actor.save_checkpoint(str(tmp_path / "ckpt"))
+        actor.save_hf(str(tmp_path / "merged"))
+        saved = actor.compute_log_probs(out)
+        actor.update(actions=out, advantages=-advantages)
+        continued = actor.compute_log_probs(out)
+        actor.load_checkpoint(str(tmp_path / "ckpt"))
+        assert torch.equal(actor.compute_log_probs(out), saved)
+        actor.update(actions=out, advantages=-advantages)
+        assert torch.equal(actor.compute_log_probs(out), continued)  # adapters + optimizer state resumed exactly
+    finally:
+        pool.shutdown()
+    ckpt = tmp_path / "ckpt"
+    assert not (ckpt / "model").exists() and (ckpt / "adapter" / "adapter_config.json").is_file()
+    assert sum(f.stat().st_size for f in (ckpt / "adapter").iterdir()) < 100_000  # adapters only, the base named
+    from_peft = response_log_probs(peft_model(base, str(ckpt / "adapter")), out.sequences)
+    assert (from_peft - saved).abs().max() <= 1e-4
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    assert (response_log_probs(merged, out.sequences) - saved).abs().max() <= 1e-4
