@@ -32,13 +32,15 @@ import torch.nn.functional as F
 from hybridrl.config import LORA_INITS, LoraConfig
 
 # the parts (Hugging Face projections) of each Megatron linear, in Megatron's fused output order
-PARTS_OF = {"qkv": ("q", "k", "v"), "proj": ("o",), "fc1": ("gate", "up"), "fc2": ("down",)}
+PARTS_OF = {"qkv": ("q", "k", "v"), "proj": ("o",), "fc1": ("gate", "up"), "fc2": ("down",), "output": ("lm_head",)}
 ROW_PARALLEL = ("proj", "fc2")
-ALL_PARTS = frozenset(p for parts in PARTS_OF.values() for p in parts)
+# `all` is every decoder linear; the output layer (vocab-parallel lm_head) only when named, as in peft's all-linear
+ALL_PARTS = frozenset(p for kind, parts in PARTS_OF.items() if kind != "output" for p in parts)
 # target_modules names: Megatron's linears, Hugging Face's projections (Mixtral's experts: w1 gate, w3 up, w2 down)
 TARGET_NAMES = {"all": ALL_PARTS, "all-linear": ALL_PARTS, **{k: frozenset(v) for k, v in PARTS_OF.items()},
                 "q_proj": {"q"}, "k_proj": {"k"}, "v_proj": {"v"}, "o_proj": {"o"}, "gate_proj": {"gate"},
-                "up_proj": {"up"}, "down_proj": {"down"}, "w1": {"gate"}, "w3": {"up"}, "w2": {"down"}}
+                "up_proj": {"up"}, "down_proj": {"down"}, "w1": {"gate"}, "w3": {"up"}, "w2": {"down"},
+                "lm_head": {"lm_head"}}
 
 
 def resolve_targets(names: list[str] | tuple[str, ...] | None) -> frozenset[str]:
@@ -46,8 +48,8 @@ def resolve_targets(names: list[str] | tuple[str, ...] | None) -> frozenset[str]
     parts: set[str] = set()
     for name in names if names is not None else ["all"]:
         if name not in TARGET_NAMES:
-            raise ValueError(f"lora.target_modules: unknown {name!r}; choose from qkv, proj, fc1, fc2, all or the "
-                             f"Hugging Face names {sorted(n for n in TARGET_NAMES if n.endswith('_proj'))}")
+            raise ValueError(f"lora.target_modules: unknown {name!r}; choose from qkv, proj, fc1, fc2, all, output or "
+                             f"the Hugging Face names {sorted(n for n in TARGET_NAMES if n.endswith('_proj'))}, lm_head")
         parts |= TARGET_NAMES[name]
     if not parts:
         raise ValueError("lora.target_modules is empty: name at least one linear (e.g. all)")
@@ -62,7 +64,7 @@ def linear_kind(module_name: str) -> str | None:
         return "proj"
     if ".mlp." in f".{module_name}" and module_name.rsplit(".", 1)[-1] in ("linear_fc1", "linear_fc2"):
         return "fc1" if module_name.endswith("fc1") else "fc2"
-    return None
+    return "output" if module_name == "output_layer" else None
 
 
 def is_adapter_param(name: str) -> bool:
@@ -100,6 +102,7 @@ class LoraAdapter(torch.nn.Module):
         if self.expert_comm and self.tp_size > 1:
             _check_expert_tp(linear, self.tp_group)
         self.active = True
+        self.vocab_rows: int | None = None  # the output layer: the real vocabulary (its B pads rows to Megatron's)
         weight = linear.weight
         out_local, in_local = weight.shape
         factory = dict(dtype=weight.dtype, device=weight.device)
@@ -225,7 +228,12 @@ class _LoraLinear:
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
         if self.lora.active:
-            output = output + self.lora(input_)
+            delta = self.lora(input_)
+            if delta.shape[-1] != output.shape[-1]:  # the output layer gathered its vocab shards (generation)
+                from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+                delta = gather_from_tensor_model_parallel_region(delta, group=self.tp_group)
+            output = output + delta
         return output, bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
@@ -276,11 +284,16 @@ def attach_lora(model: Any, cfg: LoraConfig, *, hf_modules_of: Any, seed: int = 
         parts = [p for p in PARTS_OF[kind] if p in targets]
         if not parts:
             continue
+        if kind == "output" and (getattr(module, "weight", None) is None or not hasattr(module, "gather_output")):
+            raise ValueError("lora.target_modules names the output layer (lm_head), which this model ties to its "
+                             "input embedding (or replaces by a scalar head): leave it out")
         if module.weight is None or module.weight.dim() != 2:
             raise ValueError(f"LoRA cannot wrap {name} ({type(module).__name__}): not a plain 2-D linear (grouped "
                              f"experts); target other modules")
         hf = dict(zip(PARTS_OF[kind], hf_modules_of(name, kind)))
         adapter = LoraAdapter(module, kind, parts, {p: hf[p] for p in parts}, cfg, rank, alpha)
+        if kind == "output":
+            adapter.vocab_rows = int(model.hybridrl_args.vocab_size)
         module.lora = adapter
         module.__class__ = _lora_class(type(module))
         adapters.append(adapter)

@@ -56,6 +56,8 @@ def load_adapter_factors(model: Any, source: PeftAdapter) -> None:
                     if dim is not None else None
                 piece = source.factor(module, factor, rows=span if dim == 0 else None,
                                       cols=span if dim == 1 else None)
+                if factor == "B" and adapter.vocab_rows is not None and piece.shape[0] < local.shape[0]:
+                    piece = torch.cat([piece, piece.new_zeros(local.shape[0] - piece.shape[0], piece.shape[1])])
                 if tuple(piece.shape) != tuple(local.shape):
                     raise CheckpointError(f"{source.folder}: {module}.lora_{factor} piece {list(piece.shape)} does "
                                           f"not fit the model's {list(local.shape)}")
@@ -65,11 +67,13 @@ def load_adapter_factors(model: Any, source: PeftAdapter) -> None:
 def _full(adapter: LoraAdapter, part: str, factor: str) -> torch.Tensor:
     local = adapter.local_factor(part, factor).detach()
     dim = adapter.split_dim(factor)
-    if dim is None:
-        return local
-    pieces = [torch.empty_like(local) for _ in range(adapter.tp_size)]
-    torch.distributed.all_gather(pieces, local.contiguous(), group=adapter.tp_group)
-    return torch.cat(pieces, dim=dim)
+    if dim is not None:
+        pieces = [torch.empty_like(local) for _ in range(adapter.tp_size)]
+        torch.distributed.all_gather(pieces, local.contiguous(), group=adapter.tp_group)
+        local = torch.cat(pieces, dim=dim)
+    if factor == "B" and adapter.vocab_rows is not None:  # Megatron's padded vocabulary rows dropped
+        local = local[:adapter.vocab_rows]
+    return local
 
 
 @torch.no_grad()
@@ -149,7 +153,7 @@ def add_adapters(model: Any, cfg: LoraConfig, *, seed: int) -> list[LoraAdapter]
 
 
 PROJECTION_OF_PART = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-                      "down": "down_proj"}
+                      "down": "down_proj", "lm_head": "lm_head"}
 
 
 def resolve_lora_config(cfg: LoraConfig) -> LoraConfig:

@@ -32,7 +32,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
 # adapted Hugging Face projection -> the part of a Megatron linear (models/lora.py PARTS_OF)
 PART_OF_PROJECTION = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
-                      "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+                      "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down", "lm_head": "lm_head"}
 # PEFT features whose adapters are no plain W + (alpha / r) B A on the projections above
 _UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D)", "rank_pattern": "rank_pattern",
                 "alpha_pattern": "alpha_pattern", "layers_to_transform": "layers_to_transform",
