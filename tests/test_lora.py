@@ -1,6 +1,11 @@
-"""LoRA on Megatron (models/lora.py): one adapter update equals transformers + peft's, at every layout.
+"""LoRA on Megatron (models/lora.py) and PEFT adapter folders as models (models/peft.py), on four gloo ranks.
 
-Four gloo ranks, one pool for the module. The initial adapters are a peft adapter folder (A kaiming, B random so
+- one adapter update equals transformers + peft's, at every layout;
+- a PEFT adapter folder stands where a model does, merged into its base at load at TP=2 x PP=2: a LoRA causal LM's
+  log-probs and a LoRA reward model's scores (its trained score head from modules_to_save) equal peft's (1e-4);
+- `hybridrl convert --from peft --to hf --merge-lora` writes a model with peft's logits.
+
+One pool for the module. The initial adapters are a peft adapter folder (A kaiming, B random so
 both factors get gradients) loaded as lora.init; one policy-gradient step with SGD (the change of each factor is lr x its
 gradient) at TP=1 x DP=4, TP=2 x PP=2 and TP=2 + SP x DP=2 equals the gradient peft computes on the
 same batch (relative 1e-5; lr 1000 so the step dwarfs the factors' rounding); the base weights do not move and the optimizer holds the adapters only. The reference
@@ -10,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from lora_helpers import make_peft_adapter, peft_model, response_log_probs
 
 pytestmark = pytest.mark.slow
 
@@ -110,14 +117,46 @@ def _one_update(layout_kwargs: dict, base: str, adapter_dir: str, data) -> dict:
     return result
 
 
-def _suite(base: str, adapter_dir: str, data) -> dict:
-    return {str(kw): _one_update(kw, base, adapter_dir, data) for kw in LAYOUTS}
+def _peft_folders_as_models(lm_adapter: str, rm_adapter: str, data) -> dict:
+    """A LoRA causal LM's response log-probs and a LoRA reward model's last-token scores at TP=2 x PP=2, each
+    loaded from its PEFT folder (merged into the base at load); on the last pipeline stage."""
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.workers.megatron_model import MegatronModel
+    from hybridrl.workers.policy import response_log_probs as megatron_log_probs
+    from hybridrl.workers.sequences import gather_at
+
+    initialize_model_parallel(ParallelLayout(tp=2, pp=2))
+    lm = MegatronModel(lm_adapter)
+    log_probs = lm.forward(data, lambda mb, out: megatron_log_probs(mb, out, lm.vocab_size, lm.tp_group)[0],
+                           {"response_mask": data["response_mask"]})
+    rm = MegatronModel(rm_adapter, head="scalar")
+
+    def last_token_score(mb, output):
+        return gather_at(output.squeeze(-1).float(), mb, (mb["lengths"] - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+
+    return {"log_probs": log_probs, "scores": rm.forward(data, last_token_score)}
+
+
+def _suite(base: str, adapter_dir: str, data, lm_adapter: str, rm_adapter: str) -> dict:
+    out = {str(kw): _one_update(kw, base, adapter_dir, data) for kw in LAYOUTS}
+    out["peft_models"] = _peft_folders_as_models(lm_adapter, rm_adapter, data)
+    return out
 
 
 @pytest.fixture(scope="module")
-def updates(dist_pool, peft_adapter):
+def peft_models(peft_adapter, tmp_path_factory):
+    base, _ = peft_adapter
+    root = tmp_path_factory.mktemp("peft_models")
+    lm = make_peft_adapter(base, root / "lm", rank=8, alpha=16, seed=11, targets=["q_proj", "v_proj", "down_proj"])
+    rm = make_peft_adapter(base, root / "rm", rank=4, alpha=4, seed=12, task_type="SEQ_CLS")
+    return lm, rm
+
+
+@pytest.fixture(scope="module")
+def updates(dist_pool, peft_adapter, peft_models):
     base, adapter_dir = peft_adapter
-    return dist_pool(4).run(_suite, base, adapter_dir, _rollouts(), timeout_s=400)
+    return dist_pool(4).run(_suite, base, adapter_dir, _rollouts(), *peft_models, timeout_s=400)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda kw: "tp{tp}-pp{pp}-dp{dp}".format(**kw) +
@@ -140,3 +179,39 @@ def test_one_lora_update_equals_peft(updates, peft_adapter, layout):
     assert checked == len(reference) == 2 * 7 * 2  # 7 projections x 2 layers, A and B
     norm = torch.sqrt(sum(g.square().sum() for g in reference.values())).item()
     assert got["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def test_peft_adapter_folders_stand_where_models_do(updates, peft_adapter, peft_models):
+    base, _ = peft_adapter
+    lm, rm = peft_models
+    data = _rollouts()
+    got = next(r["peft_models"] for r in updates if r["peft_models"]["log_probs"] is not None)
+    expected = response_log_probs(peft_model(base, lm), data)
+    assert (got["log_probs"] * data["response_mask"] - expected).abs().max() <= 1e-4
+    reference = peft_model(base, rm, task_type="SEQ_CLS")
+    ids = torch.cat([data["prompts"], data["responses"]], 1)
+    with torch.no_grad():
+        for row in range(len(data)):
+            sequence = ids[row][data["attention_mask"][row].bool()].unsqueeze(0)
+            assert abs(got["scores"][row].item() - reference(input_ids=sequence).logits[0, 0].item()) <= 1e-4, row
+
+
+def test_convert_merges_a_peft_adapter_into_a_hugging_face_model(peft_adapter, peft_models, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hybridrl.cli import main
+
+    base, _ = peft_adapter
+    lm, rm = peft_models
+    data = _rollouts()
+    assert main(["convert", "--from", "peft", "--to", "hf", "--merge-lora", lm, str(tmp_path / "lm")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lm"), dtype=torch.float32).eval()
+    assert (response_log_probs(merged, data) - response_log_probs(peft_model(base, lm), data)).abs().max() <= 1e-5
+    assert main(["convert", "--from", "peft", "--to", "hf", "--merge-lora", rm, str(tmp_path / "rm")]) == 0
+    scorer = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"), dtype=torch.float32).eval()
+    sequence = torch.cat([data["prompts"][0], data["responses"][0]])[None]
+    with torch.no_grad():
+        want = peft_model(base, rm, task_type="SEQ_CLS")(input_ids=sequence).logits
+        assert (scorer(input_ids=sequence).logits - want).abs().max() <= 1e-5
+    assert main(["convert", "--from", "peft", "--to", "hf", lm, str(tmp_path / "x")]) == 2  # --merge-lora missing
+    assert "add --merge-lora" in capsys.readouterr().err

@@ -145,7 +145,7 @@ def base_model_folder(adapter: PeftAdapter, base: str | None = None) -> str:
     if str(name).startswith(TINY_PREFIX):
         return resolve_model_path(name)
     for candidate in (Path(name).expanduser(), adapter.folder / name):
-        if (candidate / "config.json").is_file():
+        if (candidate / "config.json").is_file() or is_peft_adapter(candidate):  # an adapter over an adapter too
             return str(candidate)
     raise CheckpointError(f"{adapter.folder}: its base model {name!r} is no local model folder (config.json); "
                           f"download it and set base_model_name_or_path to the folder")
@@ -201,7 +201,7 @@ def model_config(path: str | Path) -> Any:
     if not is_peft_adapter(path):
         return load_hf_config(path)
     adapter = read_peft_adapter(path)
-    return merged_config(adapter, load_hf_config(base_model_folder(adapter)))
+    return merged_config(adapter, model_config(base_model_folder(adapter)))
 
 
 def model_weights(path: str | Path) -> str | MergedReader:
@@ -209,13 +209,14 @@ def model_weights(path: str | Path) -> str | MergedReader:
     if not is_peft_adapter(path):
         return str(path)
     adapter = read_peft_adapter(path)
-    return MergedReader(SafetensorsReader(base_model_folder(adapter)), adapter)
+    base = model_weights(base_model_folder(adapter))
+    return MergedReader(SafetensorsReader(base) if isinstance(base, str) else base, adapter)
 
 
 def model_files(path: str | Path) -> str:
     """The folder of HF files (config, tokenizer, safetensors) an engine that loads a folder itself starts
     from: the model folder, or a PEFT adapter's base (its merged weights are pushed after)."""
-    return base_model_folder(read_peft_adapter(path)) if is_peft_adapter(path) else str(path)
+    return model_files(base_model_folder(read_peft_adapter(path))) if is_peft_adapter(path) else str(path)
 
 
 # ---- writing ------------------------------------------------------------------------------------------------
@@ -242,3 +243,44 @@ def write_peft_adapter(out_dir: str | Path, factors: dict[str, tuple[torch.Tenso
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
               "inference_mode": True}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def tokenizer_folder(path: str | Path) -> str:
+    """Where a model's tokenizer files are: the folder itself, or (a PEFT adapter folder without them) its base's."""
+    folder = Path(path)
+    own = (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file()
+    return str(folder) if own or not is_peft_adapter(folder) else tokenizer_folder(base_model_folder(
+        read_peft_adapter(folder)))
+
+
+def write_merged_model(adapter_folder: str | Path, out_dir: str | Path) -> None:
+    """A Hugging Face model folder of a PEFT adapter merged into its base (W + scaling * B A; the saved modules,
+    e.g. a score head, in place), written file by file as the base is stored, with its config and tokenizer."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reader, config = model_weights(adapter_folder), model_config(adapter_folder)
+    seq_cls = any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or [])
+    files: dict[str, list[str]] = {}
+    for name, file_name in reader.weight_map.items():
+        if seq_cls and name == "lm_head.weight":
+            continue  # the classification head replaces the LM head
+        files.setdefault(file_name, []).append(name)
+    if "adapter" in files:  # modules_to_save: stored with the first base file
+        first = sorted(f for f in files if f != "adapter")[0]
+        files[first] += files.pop("adapter")
+    weight_map = {}
+    for file_name, names in sorted(files.items()):
+        save_file({name: reader.read(name).contiguous() for name in names}, str(out / file_name),
+                  metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in names})
+    if len(files) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    config.save_pretrained(str(out))
+    source = Path(tokenizer_folder(adapter_folder))
+    for item in source.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(item, out / item.name)

@@ -12,6 +12,7 @@ from hybridrl.config import (LoraConfig, ModelConfig, MoeConfig, OptimConfig, Pa
                              as_section)
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
+from hybridrl.models.peft import tokenizer_folder
 from hybridrl.models.tiny import resolve_model_path
 from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, divisors
@@ -56,7 +57,7 @@ class Actor(Role):
             rollout = {"engine": "native", **rollout}
         self._start(settings, as_section(RolloutConfig, rollout, "Actor(rollout=...)"),
                     as_section(PolicyLossConfig, loss, "Actor(loss=...)"), parallel, resource_pool,
-                    tokenizer_for(path, tokenizer), seed, role, call_timeout_s)
+                    tokenizer_for(tokenizer_folder(path), tokenizer), seed, role, call_timeout_s)
 
     @classmethod
     def from_settings(cls, settings: RoleConfig, rollout: RolloutConfig, loss: PolicyLossConfig,

@@ -8,6 +8,7 @@ import torch
 from hybridrl.config import ModelConfig, ParallelConfig, RoleConfig
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
+from hybridrl.models.peft import tokenizer_folder
 from hybridrl.models.tiny import resolve_model_path
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role
@@ -25,7 +26,7 @@ class ReferencePolicy(Role):
                  dtype: str = "float32", seed: int = 1, role: str = "ref", tokenizer: Any = None,
                  call_timeout_s: float | None = 3600.0) -> None:
         path = resolve_model_path(model)
-        self.tokenizer = tokenizer_for(path, tokenizer)  # to check the prompts given to get_log_probs
+        self.tokenizer = tokenizer_for(tokenizer_folder(path), tokenizer)  # to check the prompts given to get_log_probs
         settings = RoleConfig(model=ModelConfig(path, dtype), micro_batch_size=micro_batch_size,
                               max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         super().__init__(ReferenceWorker, role, resource_pool, parallel, {"role": settings, "seed": seed}, seed,

@@ -11,6 +11,7 @@ import torch
 from hybridrl.config import ParallelConfig, ScoreModelConfig
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
+from hybridrl.models.peft import is_peft_adapter, tokenizer_folder
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role
@@ -105,14 +106,16 @@ class TextScoring:
 
     def __init__(self, model_path: str, tokenizer: Any = None, chat_template: bool | None = None) -> None:
         folder = Path(model_path)
-        if not (folder / "config.json").is_file():
+        if is_peft_adapter(folder):  # a LoRA reward model: merged into its base at load; its tokenizer or the base's
+            folder = Path(tokenizer_folder(folder))
+        elif not (folder / "config.json").is_file():
             raise ValueError(f"RewardModel(model={model_path!r}): no Hugging Face model folder there "
                              f"(expected config.json)")
         # own: the tokenizer was chosen for this model (given, or in its folder); else the bundled one, and
         # the model is taken to read the actor's token ids (the tiny test models have no tokenizer files)
         self.own = tokenizer is not None or (folder / "tokenizer_config.json").is_file() \
             or (folder / "tokenizer.json").is_file()
-        self.tokenizer = tokenizer_for(model_path, tokenizer)
+        self.tokenizer = tokenizer_for(folder, tokenizer)
         has_template = getattr(self.tokenizer, "chat_template", None) is not None
         if chat_template and not has_template:
             raise ValueError(f"RewardModel(chat_template=True): the tokenizer of {model_path} has no chat template")

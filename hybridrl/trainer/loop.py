@@ -34,6 +34,7 @@ from hybridrl.data.dataset import prompt_dataset_from_config
 from hybridrl.data.loader import StatefulPromptLoader
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.config import CheckpointError
+from hybridrl.models.peft import tokenizer_folder
 from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner, episode_metrics
 from hybridrl.trainer.async_rollout import RolloutQueue
 from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
@@ -80,7 +81,7 @@ class RLTrainer:
     def __init__(self, cfg: Any, plan: RunPlan) -> None:
         self.cfg, self.plan = cfg, plan
         alg = cfg.algorithm
-        self.tokenizer = tokenizer_for(plan.roles["actor"].model_path)
+        self.tokenizer = tokenizer_for(tokenizer_folder(plan.roles["actor"].model_path))
         try:
             dataset = prompt_dataset_from_config(cfg.data, self.tokenizer)
             self.loader = StatefulPromptLoader(dataset, cfg.data.batch_size, self.tokenizer.pad_token_id or 0,

@@ -24,9 +24,9 @@ from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfi
 from hybridrl.data.tasks import task_reward_path
 from hybridrl.envs import env_class
 from hybridrl.hybrid_engine.plan import STRATEGIES
-from hybridrl.models import load_hf_config
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.families import ModelDims
+from hybridrl.models.peft import is_peft_adapter, model_config
 from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
 from hybridrl.roles.actor import check_generation
@@ -260,6 +260,12 @@ def _model_dir(path: str | None, option: str) -> str:
         except ValueError as exc:
             raise ConfigError(f"{option}={path!r}: {exc}") from None
     folder = Path(path).expanduser()
+    if is_peft_adapter(folder):  # a PEFT LoRA adapter: merged into its base at load (models/peft.py)
+        try:
+            model_config(folder)
+        except CheckpointError as exc:
+            raise ConfigError(f"{option}={path!r}: {exc}") from None
+        return str(folder)
     _check(folder.is_dir() and (folder / "config.json").is_file(),
            f"{option}={path!r}: no Hugging Face model folder there (expected config.json); give a local folder")
     return str(folder)
@@ -267,12 +273,12 @@ def _model_dir(path: str | None, option: str) -> str:
 
 def _experts_of(path: str) -> Any:
     """The model's mixture-of-experts dimensions (None for a dense model)."""
-    return ModelDims.from_hf(load_hf_config(path)).moe
+    return ModelDims.from_hf(model_config(path)).moe
 
 
 def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
     try:
-        hf = load_hf_config(path)
+        hf = model_config(path)  # a PEFT adapter folder: its merged model's
     except CheckpointError as exc:
         raise ConfigError(f"{role}.model.path: {exc}") from None
     moe = ModelDims.from_hf(hf).moe
@@ -331,7 +337,7 @@ def _vllm_unsupported(model_path: str) -> str | None:
         return "vLLM is not installed (the cpu / gpu extra installs it)"
     if torch.cuda.is_available():
         return None
-    hf = load_hf_config(model_path)
+    hf = model_config(model_path)
     if ModelDims.from_hf(hf).moe is not None:
         from megatron_patches.vllm_cpu_moe_reload import unsupported  # imports vLLM (~10 s): only here
 

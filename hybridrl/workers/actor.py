@@ -24,6 +24,7 @@ from hybridrl.hybrid_engine.megatron_adapter import training_params
 from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
 from hybridrl.models.lora import MergedWeights, adapters_disabled, merged_adapters
+from hybridrl.models.peft import model_files
 from hybridrl.parallel.generation import GenerationLayout
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
@@ -62,7 +63,7 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
                                    bucket_mb=rollout.bucket_mb)
         # vLLM's TP group must be the hybrid engine's strided generation TP group
         tp_groups = self.hybrid.groups.gen_tp_groups() if rollout.engine == "vllm" else None
-        self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, model_path=role.model.path,
+        self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, model_path=model_files(role.model.path),
                                            vocab_size=self.model.vocab_size, tokens=tokens, dtype=role.model.dtype,
                                            tp_groups=tp_groups)
         self.engine.release()  # KV cache only while generating

@@ -26,8 +26,9 @@ from hybridrl.config import RolloutConfig
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.hybrid_engine.bridge import PendingReceive, open_bridge
 from hybridrl.hybrid_engine.megatron_adapter import load_generation_weights
-from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+from hybridrl.models import build_gpt_model, load_hf_weights
 from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
+from hybridrl.models.peft import model_config, model_files, model_weights
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
 from hybridrl.rollout.base import GeneratedSequence, assemble_batch, normalise_prompts, validate_prompts
@@ -42,13 +43,13 @@ class RolloutWorker(Worker):
         max_model_len resolved by the driver, rollout.partial for partial rollouts; padded_vocab_size: the
         actor's padded vocabulary (it depends on the training TP), so its shards fit this model."""
         self.path, self.rollout = model_path, rollout
-        self.hf_config = load_hf_config(model_path)
+        self.hf_config = model_config(model_path)  # a PEFT adapter folder: merged into its base (models/peft.py)
         self.dtype = DTYPES[dtype]
         self.model = build_gpt_model(self.hf_config, dtype=self.dtype, padded_vocab_size=padded_vocab_size).eval()
-        load_hf_weights(self.model, model_path, self.hf_config)
+        load_hf_weights(self.model, model_weights(model_path), self.hf_config)
         # vLLM runs SPMD over each replica's TP ranks (this pool's process group)
         tp_groups = self.layout.tp_groups() if rollout.engine == "vllm" else None
-        self.engine = build_rollout_engine(rollout, model=self.model, model_path=model_path,
+        self.engine = build_rollout_engine(rollout, model=self.model, model_path=model_files(model_path),
                                            vocab_size=int(self.hf_config.vocab_size), tokens=tokens, dtype=dtype,
                                            tp_groups=tp_groups)
         self.partial = rollout.partial
