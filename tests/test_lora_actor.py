@@ -64,3 +64,31 @@ def test_lora_actor_generates_with_adapters_is_its_own_reference_and_resumes(ray
     assert (from_peft - saved).abs().max() <= 1e-4
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
     assert (response_log_probs(merged, out.sequences) - saved).abs().max() <= 1e-4
+
+
+def test_rollout_pool_receives_the_adapters_only_and_generates_with_them(ray_four_devices, adapter):
+    """Generation replicas on a pool of their own (rollout TP=2: row-parallel adapters' partial sums completed
+    by the decode forward's all-reduce) keep their base and take the adapters only; their log-probs equal the
+    actor's before any sync (lora.init's adapters) and after an update and a sync."""
+    from hybridrl.roles import RolloutReplicas
+
+    _, adapter_dir = adapter
+    train_pool = hybridrl.ResourcePool(devices=2, name="train")
+    gen_pool = hybridrl.ResourcePool(devices=2, name="gen")
+    try:
+        actor = hybridrl.Actor(parallel={"tp": 2}, rollout={"tp": 2, "max_new_tokens": 8}, resource_pool=train_pool,
+                               optim={"lr": 1e-2}, lora={"init": adapter_dir})
+        replicas = RolloutReplicas(actor, gen_pool)
+        out = replicas.generate_sequences(PROMPTS, seed=1)
+        assert ((out.log_probs - actor.compute_log_probs(out)) * out.mask).abs().max() <= 1e-4
+        actor.update(actions=out, advantages=torch.randn(len(out), generator=torch.Generator().manual_seed(1)))
+        sent = replicas.sync()
+        out = replicas.generate_sequences(PROMPTS, seed=2)
+        assert ((out.log_probs - actor.compute_log_probs(out)) * out.mask).abs().max() <= 1e-4
+        stats = replicas.sync_stats()
+    finally:
+        train_pool.shutdown()
+        gen_pool.shutdown()
+    adapter_bytes = replicas.adapter_spec.nbytes
+    assert stats["received_bytes"] == [adapter_bytes, adapter_bytes] and sent["sent_bytes"] == 2 * adapter_bytes
+    assert all(adapter_bytes < shard / 5 for shard in stats["shard_bytes"])  # a full sync sends the whole shard

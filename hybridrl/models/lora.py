@@ -135,9 +135,17 @@ class LoraAdapter(torch.nn.Module):
     # ---- forward ---------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The delta (alpha / r) B A x in the layout of the linear's own output (before its bias)."""
+        return self._delta(x, comm=self.tp_size > 1 and not self.expert_comm)
+
+    def decode_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The delta of a generation forward that does the linear's TP communication itself (fast_decode.py):
+        column-parallel, x whole, this rank's output columns; row-parallel, x this rank's input slice, a partial
+        sum the caller's all-reduce completes (B (A_shard x_shard) summed over ranks is B A x)."""
+        return self._delta(x, comm=False)
+
+    def _delta(self, x: torch.Tensor, comm: bool) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
-        comm = self.tp_size > 1 and not self.expert_comm
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
         h = F.linear(x, self.a)

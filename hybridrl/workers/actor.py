@@ -18,12 +18,14 @@ from typing import Any
 from hybridrl.algorithms import loss_agg
 from hybridrl.config import RoleConfig, RolloutConfig
 from hybridrl.controller import Dispatch, Worker, register
-from hybridrl.hybrid_engine.bridge import open_bridge, send_shards
+from hybridrl.hybrid_engine.bridge import PendingSends, open_bridge, send_shards
+from hybridrl.hybrid_engine.lora_sync import AdapterSpec, pack, send_adapters
 from hybridrl.hybrid_engine.engine import HybridEngine
 from hybridrl.hybrid_engine.megatron_adapter import training_params
 from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
 from hybridrl.models.lora import MergedWeights, adapters_disabled, merged_adapters
+from hybridrl.models.lora_io import gather_adapter_factors
 from hybridrl.models.peft import model_files
 from hybridrl.parallel.generation import GenerationLayout
 from hybridrl.protocol import Batch
@@ -184,6 +186,28 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         if self.rank == 0:  # the replicas of a partial rollout take the new weights at once
             self._bridge.announce()
         return sent
+
+    # LoRA: the base is frozen, so a rollout pool keeps its own and receives the adapters only (lora_sync.py)
+    @register(Dispatch.ONE_TO_ALL)
+    def bridge_adapter_spec(self) -> AdapterSpec | None:
+        """The adapter message's layout (collective; on training rank 0, None elsewhere)."""
+        gathered = gather_adapter_factors(self.model.model)
+        self._adapter_spec = None if gathered is None else AdapterSpec.of(gathered[0])
+        return self._adapter_spec
+
+    @register(Dispatch.ONE_TO_ALL)
+    def bridge_send_adapters(self, receivers: list[int], in_flight: int = 1) -> int:
+        """Gather the adapters whole (collective) and send them from training rank 0 to every rollout rank
+        (bridge ranks `receivers`); returns the payload bytes sent (0 on the other ranks)."""
+        while len(self._sends) >= max(1, in_flight):
+            self._sends.pop(0).wait()
+        gathered = gather_adapter_factors(self.model.model)
+        if gathered is None:
+            return 0
+        flat = pack(gathered[0], self._adapter_spec, self._bridge.device)
+        self._sends.append(PendingSends(send_adapters(self._bridge, flat, receivers), [flat]))
+        self._bridge.announce()
+        return flat.numel() * flat.element_size() * len(receivers)
 
     # ---- training layout ---------------------------------------------------------------------------------
     @register(Dispatch.DP_COMPUTE)
