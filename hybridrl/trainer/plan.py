@@ -33,7 +33,7 @@ from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
 from hybridrl.trainer.config_checks import check_values
-from hybridrl.trainer.plan_lora import check_lora_experts, plan_lora
+from hybridrl.trainer.plan_lora import check_lora_experts, check_lora_generation, plan_lora
 from hybridrl.workers.policy import PolicyLossConfig
 from hybridrl.workers.rule_reward import load_reward_fn
 
@@ -93,6 +93,7 @@ def plan_run(cfg: Any) -> RunPlan:
         if role in plan.roles:
             check_lora_experts(role, settings, plan.roles[role].model_path, plan.roles[role].layout)
     plan.rollout = _resolve_rollout(cfg, plan, max_len)
+    check_lora_generation(plan.lora.get("actor"), plan.rollout, plan.roles["actor"].layout, "rollout" not in plan.roles)
     _check_batch_splits(plan)
     _plan_rewards(cfg, plan)
     for file in cfg.data.train_files:

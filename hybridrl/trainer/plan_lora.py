@@ -51,6 +51,23 @@ def _same_model(ref_path: str | None, actor_path: str | None) -> bool:
         if not str(ref_path).startswith("tiny:") else ref_path == actor_path
 
 
+def check_lora_generation(lora: LoraConfig | None, rollout: Any, actor_layout: Any, colocated: bool) -> None:
+    """lora.generation=forward: the adapters run in the native engine's decode forward, on the training model
+    itself (the generation layout equal to the training layout) or on a rollout pool (which always does so)."""
+    if lora is None or lora.generation != "forward":
+        return
+    if rollout.engine != "native":
+        raise ConfigError(f"actor.lora.generation=forward runs the adapters in the native engine's forward; "
+                          f"rollout.engine resolved to {rollout.engine}, which generates with W + BA: set "
+                          f"actor.lora.generation=merge or rollout.engine=native")
+    same = rollout.tp == actor_layout.tp and actor_layout.pp == 1 and not actor_layout.sequence_parallel \
+        and actor_layout.ep == 1
+    if colocated and not same:
+        raise ConfigError(f"actor.lora.generation=forward generates with the training model's own adapters: it needs "
+                          f"rollout.tp = actor.parallel.tp ({actor_layout.tp}), pp = 1, no sequence or expert "
+                          f"parallelism, or a rollout pool of its own; else set actor.lora.generation=merge")
+
+
 def check_lora_experts(role: str, lora: LoraConfig, model_path: str, layout: Any) -> None:
     """Experts' adapters: whole experts (expert TP 1) or experts split like the dense layers (expert TP = TP,
     sequence parallel: finalize_model_grads sums their replicated factor's partial gradients over TP)."""

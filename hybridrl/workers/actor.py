@@ -105,7 +105,9 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
             return 0.0
         start = time.perf_counter()
         # LoRA: the generation weights are W + BA, merged here in the training layout and resharded as any weight
-        self._merged = MergedWeights(self.model.inner) if self.model.lora is not None else None
+        # (lora.generation=forward: the training model generates with its adapters in the decode forward)
+        lora = self.model.lora
+        self._merged = MergedWeights(self.model.inner) if lora is not None and lora.generation == "merge" else None
         gen_model = self.hybrid.to_generation()
         if self._merged is not None:
             self.hybrid.last_stats.extra["lora_kept_bytes"] = self._merged.kept_bytes
