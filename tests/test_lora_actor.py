@@ -92,3 +92,22 @@ def test_rollout_pool_receives_the_adapters_only_and_generates_with_them(ray_fou
     adapter_bytes = replicas.adapter_spec.nbytes
     assert stats["received_bytes"] == [adapter_bytes, adapter_bytes] and sent["sent_bytes"] == 2 * adapter_bytes
     assert all(adapter_bytes < shard / 5 for shard in stats["shard_bytes"])  # a full sync sends the whole shard
+
+
+def test_vllm_serves_the_adapters_as_its_lora_adapter(ray_four_devices, head_dim_32_model, tmp_path):
+    """rollout.engine=vllm: the engine keeps the base it loaded and takes each step's adapters as a LoRA request
+    (nothing of the base is resharded or pushed); its log-probs equal the trainer's before and after an update."""
+    lora_dir = make_peft_adapter(head_dim_32_model, tmp_path / "adapter", rank=8, alpha=16,
+                                 targets=["q_proj", "v_proj", "o_proj", "down_proj"])
+    pool = hybridrl.ResourcePool(devices=2, name="vllm")
+    try:
+        actor = hybridrl.Actor(model=head_dim_32_model, parallel={"tp": 2}, resource_pool=pool, optim={"lr": 1e-2},
+                               rollout={"tp": 1, "max_new_tokens": 8, "engine": "vllm", "max_model_len": 64},
+                               lora={"init": lora_dir})
+        for step in range(2):
+            out = actor.generate_sequences(PROMPTS, seed=step)
+            assert ((out.log_probs - actor.compute_log_probs(out)) * out.mask).abs().max() <= 1e-4, step
+            assert out.sequences.meta.get("reshard_recv_bytes", 0) == 0  # the base never moved
+            actor.update(actions=out, advantages=torch.randn(len(out), generator=torch.Generator().manual_seed(step)))
+    finally:
+        pool.shutdown()

@@ -189,3 +189,11 @@ def load_adapter_folder(model: Any, folder: str | Path) -> None:
     source = read_peft_adapter(folder)
     load_adapter_factors(model, source)
     load_saved_head(model, source)
+
+
+def adapter_factors_everywhere(model: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every whole factor on every rank (collective: gathered to rank 0, then broadcast)."""
+    gathered = gather_adapter_factors(model)
+    box = [None if gathered is None else gathered[0]]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

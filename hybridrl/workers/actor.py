@@ -25,11 +25,12 @@ from hybridrl.hybrid_engine.megatron_adapter import training_params
 from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
 from hybridrl.models.lora import MergedWeights, adapters_disabled, merged_adapters
-from hybridrl.models.lora_io import gather_adapter_factors
+from hybridrl.models.lora_io import adapter_factors_everywhere, gather_adapter_factors
 from hybridrl.models.peft import model_files
 from hybridrl.parallel.generation import GenerationLayout
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
+from hybridrl.rollout.vllm_lora import VllmAdapters, vllm_adapter_support, vllm_lora_rank
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
 from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs, response_mask
 
@@ -65,9 +66,15 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
                                    bucket_mb=rollout.bucket_mb)
         # vLLM's TP group must be the hybrid engine's strided generation TP group
         tp_groups = self.hybrid.groups.gen_tp_groups() if rollout.engine == "vllm" else None
+        # LoRA on vLLM: the engine keeps the frozen base and serves the adapters as its LoRA adapter where it can
+        lora = self.model.lora
+        adapters_in_vllm = rollout.engine == "vllm" and lora is not None and \
+            vllm_adapter_support(lora, role.model.path, self.model.hf_config) is None
         self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, model_path=model_files(role.model.path),
                                            vocab_size=self.model.vocab_size, tokens=tokens, dtype=role.model.dtype,
-                                           tp_groups=tp_groups)
+                                           tp_groups=tp_groups, lora_rank=vllm_lora_rank(lora.rank) if adapters_in_vllm
+                                           else None)
+        self._vllm_adapters = VllmAdapters(self.engine, lora) if adapters_in_vllm else None
         self.engine.release()  # KV cache only while generating
         self._generating = False  # between begin_generation and end_generation
         self._merged = None  # LoRA: the merged weights while generating (their base kept aside)
@@ -104,6 +111,11 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         if self._generating:
             return 0.0
         start = time.perf_counter()
+        if self._vllm_adapters is not None:  # the engine holds the frozen base: only the adapters go to it
+            self._vllm_adapters.load(adapter_factors_everywhere(self.model.model))
+            self._generating = True
+            self.engine.wake()
+            return time.perf_counter() - start
         # LoRA: the generation weights are W + BA, merged here in the training layout and resharded as any weight
         # (lora.generation=forward: the training model generates with its adapters in the decode forward)
         lora = self.model.lora

@@ -34,6 +34,7 @@ from hybridrl.models.lora_io import add_adapters, load_adapter_factors
 from hybridrl.models.peft import model_config, model_files, model_weights
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
+from hybridrl.rollout.vllm_lora import VllmAdapters, vllm_adapter_support, vllm_lora_rank
 from hybridrl.rollout.base import GeneratedSequence, assemble_batch, normalise_prompts, validate_prompts
 from hybridrl.workers.actor import replica_params
 from hybridrl.workers.megatron_model import DTYPES
@@ -58,9 +59,15 @@ class RolloutWorker(Worker):
         self._adapter_spec: AdapterSpec | None = None
         # vLLM runs SPMD over each replica's TP ranks (this pool's process group)
         tp_groups = self.layout.tp_groups() if rollout.engine == "vllm" else None
+        adapters_in_vllm = rollout.engine == "vllm" and lora is not None and \
+            vllm_adapter_support(lora, model_path, self.hf_config) is None
         self.engine = build_rollout_engine(rollout, model=self.model, model_path=model_files(model_path),
                                            vocab_size=int(self.hf_config.vocab_size), tokens=tokens, dtype=dtype,
-                                           tp_groups=tp_groups)
+                                           tp_groups=tp_groups, lora_rank=vllm_lora_rank(lora.rank) if adapters_in_vllm
+                                           else None)
+        self._vllm_adapters = VllmAdapters(self.engine, lora) if adapters_in_vllm else None
+        if self._vllm_adapters is not None and lora.init not in ("kaiming", "gaussian"):
+            self._vllm_adapters.load_folder(lora.init)  # the actor's starting adapters, until the first sync
         self.partial = rollout.partial
         self.version = 0  # policy versions applied
         self._posted = 0  # policy versions whose receives are posted
@@ -113,6 +120,8 @@ class RolloutWorker(Worker):
             load_generation_weights(self.model, tensors)
         if self.rollout.engine == "native":
             self.engine.load_weights(None)  # the native engine reads the model's parameters: drop the KV cache
+        elif self._vllm_adapters is not None:  # LoRA served by vLLM: the new adapters become its LoRA request
+            self._vllm_adapters.load(tensors)
         else:  # vLLM holds its own copy under HF names: full tensors, gathered over this replica's TP ranks
             with merged_adapters(self.model):  # LoRA: W + BA
                 self.engine.load_weights(iter_full_hf_tensors(self.model, self.hf_config))
