@@ -12,10 +12,13 @@ generation shard a full sync sends.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hybridrl.hybrid_engine.bridge import Bridge
+from hybridrl.hybrid_engine.model_shapes import model_shapes
+from hybridrl.models.lora import adapter_numel
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,22 @@ class FactorSource:
         if rows is not None:
             return tensor[rows[0]:rows[1]]
         return tensor[:, cols[0]:cols[1]] if cols is not None else tensor
+
+
+def lora_plan_report(model: str, rank: int, targets: list[str] | None, train: Any, gen: Any, dtype_bytes: int) -> dict:
+    """What LoRA changes in `hybridrl plan`'s accounting (a preset or HF folder; real shapes on the meta device):
+    the adapters' size, the bytes a rollout rank receives per sync (adapters only, against its generation shard
+    in a full sync), the frozen base shard a training rank keeps aside while generating with merged weights, and
+    the reference: the actor with its adapters off (no second copy of the weights)."""
+    shapes = model_shapes(model)
+    named = [(s.name, s.shape) for s in shapes.params]
+    adapters = adapter_numel(named, rank, targets)
+    targeted = sum(torch.Size(shape).numel() for name, shape in named
+                   if adapter_numel([(name, shape)], 1, targets))  # the weights W + BA is merged into
+    return {"rank": rank, "targets": list(targets or ["all"]), "adapter_params": adapters,
+            "adapter_bytes": adapters * dtype_bytes, "adapter_share": adapters / shapes.numel,
+            "sync_bytes_per_rollout_rank": adapters * dtype_bytes,
+            "full_sync_bytes_per_rollout_rank": shapes.numel * dtype_bytes // (gen.tp * gen.pp),
+            "merge_kept_bytes_per_gpu": targeted * dtype_bytes // (train.tp * train.pp),
+            "reference": "the actor with its adapters off (no reference model)",
+            "trained_bytes_per_gpu": f"adapters only: grads + optimizer x {adapters / shapes.numel:.4f} of full"}

@@ -409,3 +409,20 @@ def merged_adapters(model: Any) -> Iterator[MergedWeights | None]:
     finally:
         if merged is not None:
             merged.restore()
+
+
+# HF projection name -> part (the adapter count of a model known by its HF tensor shapes, e.g. hybridrl plan)
+_PART_OF_HF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+               "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down", "lm_head": "lm_head"}
+
+
+def adapter_numel(named_shapes: Any, rank: int, targets: list[str] | None) -> int:
+    """Adapter parameters (rank x (in + out) per adapted projection) of a model given as (HF name, shape) pairs."""
+    parts = resolve_targets(targets)
+    total = 0
+    for name, shape in named_shapes:
+        if name.endswith(".weight") and len(shape) == 2:
+            projection = name[:-len(".weight")].rsplit(".", 1)[-1]
+            if _PART_OF_HF.get(projection) in parts:
+                total += rank * (shape[0] + shape[1])
+    return total
