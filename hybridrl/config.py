@@ -66,11 +66,35 @@ class MoeConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the role's Megatron linears (models/lora.py): the base frozen, only the adapters trained.
+    Off unless rank > 0 or init names a PEFT adapter folder."""
+    rank: int = 0  # adapter rank r; 0: off (with init an adapter folder: the folder's rank)
+    alpha: Optional[float] = None  # the update is (alpha / rank) * B A; None: alpha = rank (an init folder's alpha)
+    dropout: float = 0.0  # dropout on the adapters' input (peft's lora_dropout)
+    # Megatron linears: qkv (fused q, k, v), proj (attention output), fc1 (SwiGLU gate + up), fc2, all; or Hugging
+    # Face names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj). None: all (an init folder's)
+    target_modules: Optional[list[str]] = None
+    init: str = "kaiming"  # kaiming (peft's default: A kaiming-uniform, B 0) | gaussian | a PEFT adapter folder
+    # generation (native engine): merge (W + BA written into the generation weights; the frozen base shard kept
+    # aside meanwhile) | forward (the adapters run in the decode forward: no copy, slower decoding)
+    generation: str = "merge"
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0 or self.init not in LORA_INITS
+
+
+LORA_INITS = ("kaiming", "gaussian")
+
+
+@dataclass
 class RoleConfig:
     """A Megatron-backed role (actor, critic, reference, reward/cost model)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)  # the actor's (and the critic's) routers
+    lora: LoraConfig = field(default_factory=LoraConfig)  # actor / critic: adapters instead of full fine-tuning
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is null

@@ -15,6 +15,8 @@ ROLE_BAD = {  # per model section (actor, ref, critic)
     "optim.use_distributed_optimizer": "maybe", "micro_batch_size": 0, "max_tokens_per_micro_batch": 0,
     "pool": "''", "parallel.ep": 0, "parallel.expert_tp": 0, "moe.aux_loss_coef": -1, "moe.z_loss_coef": -1,
     "parallel.fsdp": "zero3",
+    "lora.rank": -1, "lora.alpha": 0, "lora.dropout": 1.0, "lora.target_modules": "[attn]", "lora.init": "/nonexistent",
+    "lora.generation": "weird",
 }
 SCORER_BAD = {  # per score-model section (reward_model, cost_model)
     "model": "/nonexistent/rm", "dtype": "int8", "pool": "''", "parallel.tp": 0, "parallel.pp": 0,

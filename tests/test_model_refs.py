@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from hub_cache import commit_of, offline_hub, put_in_hub_cache
 
 import hybridrl
-from hub_cache import commit_of, offline_hub, put_in_hub_cache
 from hybridrl.cli import main as cli_main
 from hybridrl.controller import resource_pool
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
-from hybridrl.models.hub import ModelReferenceError, pinned_reference, resolve_model, tokenizer_folder
+from hybridrl.models.hub import ModelReferenceError, pinned_reference, resolve_model
+from hybridrl.models.peft import tokenizer_folder
 from hybridrl.models.tiny import create_tiny_model, default_model_dir
 
 REPO, RM_REPO, LORA_REPO = "acme/tiny-llama", "acme/tiny-rm", "acme/tiny-rm-lora"
@@ -120,8 +121,9 @@ def test_train_plans_hub_ids_and_refuses_an_unknown_one_before_ray(hub, capsys):
 
 
 def test_plan_and_convert_take_hub_ids(hub, tmp_path, capsys):
-    from hybridrl.config import load_config
     from test_plan_cli import _plan
+
+    from hybridrl.config import load_config
 
     assert _plan("--model", REPO, "--train-tp", "2", "--json") == 0
     report = json.loads(capsys.readouterr().out)

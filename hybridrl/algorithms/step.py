@@ -20,6 +20,9 @@ class StepNeeds:
     greedy_baseline: bool  # a greedy response per prompt (ReMax)
     critic: bool
     cost: bool  # a cost signal and its critic (Safe-RLHF)
+    # the reference log-probs come from the actor's own model with its LoRA adapters off (no reference model built:
+    # a LoRA actor whose reference is its base model); set by the run plan
+    reference_from_actor: bool = False
 
     @property
     def on_policy(self) -> bool:

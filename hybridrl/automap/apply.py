@@ -22,6 +22,7 @@ from hybridrl.automap.hardware import cpu_calibrated, detect_gpu
 from hybridrl.automap.search import Mapper, make_problem, mapping_json, pool_name
 from hybridrl.config import ROLE_SECTIONS, ConfigError, typed
 from hybridrl.models.hub import ModelReferenceError, resolve_model
+from hybridrl.models.lora_io import resolve_lora_config
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,17 @@ def _machine(devices: int, nodes: int, dtype: str):
     if dtype == "float32":
         acc = replace(acc, param_bytes=4, mixed_precision=False)
     return acc
+
+
+def _lora_roles(cfg: Any) -> dict[str, tuple[int, list[str] | None]]:
+    """The LoRA roles' (rank, targets) for the search (trainer/plan_lora.py resolves the same settings)."""
+    out = {}
+    for role in ("actor", "critic"):
+        lora = typed(cfg[role].lora)
+        if lora.enabled:
+            resolved = resolve_lora_config(lora)
+            out[role] = (int(resolved.rank), list(resolved.target_modules))
+    return out
 
 
 def apply_auto_map(cfg: Any) -> dict:
@@ -57,7 +69,8 @@ def apply_auto_map(cfg: Any) -> dict:
         raise ConfigError(str(exc)) from None
     try:
         acc = _machine(devices, int(res.nodes), cfg.actor.model.dtype)
-        prob = make_problem(actor_path, alg.name, acc, devices, work, reference=step.reference, **others)
+        prob = make_problem(actor_path, alg.name, acc, devices, work, reference=step.reference, lora=_lora_roles(cfg),
+                            **others)
         budget = cfg.actor.max_tokens_per_micro_batch
         prob.max_micro_batch = max(1, budget // work.tokens) if budget else cfg.actor.micro_batch_size
         result = Mapper(prob, "trainer").search(top_k=3)

@@ -49,6 +49,11 @@ Memory per device, decides what fits (capacity minus memory_reserve_bytes):
   buffer), then the KV cache fills what is left (best effort, as in the paper).
 Colocated roles keep their weights / gradients / optimizer states resident together; their transient
 memory (activations, generation buffer + KV cache) is needed one stage at a time.
+LoRA (a trained role's adapters = a share s of its parameters): the frozen base keeps its weights only, the
+adapters add s x (weights + fp32 gradients + optimizer shard); the backward computes the activations' gradients
+but no weight gradients for the base (2x the forward FLOPs instead of 3x), and the gradient reduce-scatter,
+parameter all-gather and Adam step move s of the bytes. A LoRA actor is its own reference (an actor forward
+with the adapters off, no reference model).
 """
 from __future__ import annotations
 
@@ -214,12 +219,14 @@ def forward_time(model: ModelStats, lm_head: bool, t: int, p: int, d: int, mb: i
 
 
 def update_time(model: ModelStats, lm_head: bool, t: int, p: int, d: int, mb: int, work: Workload, net: Net,
-                recompute: bool) -> float:
-    """E x K optimizer steps over the S sequences (one mini-batch each), distributed optimizer."""
+                recompute: bool, adapters: float = 0.0) -> float:
+    """E x K optimizer steps over the S sequences (one mini-batch each), distributed optimizer. adapters: LoRA's
+    share of the parameters (0: full fine-tuning)."""
     acc = net.acc
     micro = math.ceil(math.ceil(work.sequences / (work.mini_batches * d)) / mb)
-    stage = _stage_time(model, lm_head, t, p, d, mb, work.tokens, net, 4.0 if recompute else 3.0, 2)
-    shard = model.shard_params(t, p, lm_head)
+    passes = (2.0 + adapters if adapters else 3.0) + (1.0 if recompute else 0.0)
+    stage = _stage_time(model, lm_head, t, p, d, mb, work.tokens, net, passes, 2)
+    shard = model.shard_params(t, p, lm_head) * (adapters or 1.0)
     sync = net.collective(4 * shard, d, t) + net.collective(acc.param_bytes * shard, d, t)
     opt_bytes = 12 if acc.mixed_precision else 8
     adam = 2 * (acc.param_bytes + 4 + opt_bytes) * shard / d / net.memory_bw
@@ -253,12 +260,16 @@ def generation_time(model: ModelStats, tg: int, pg: int, replicas: int, batch_ca
 
 
 # ---- memory --------------------------------------------------------------------------------------------
-def static_bytes(model: ModelStats, lm_head: bool, trained: bool, t: int, p: int, d: int, acc: Accelerator) -> float:
-    """Resident bytes on one device: weights (+ fp32 grads + distributed-optimizer shard when trained)."""
+def static_bytes(model: ModelStats, lm_head: bool, trained: bool, t: int, p: int, d: int, acc: Accelerator,
+                 adapters: float = 0.0) -> float:
+    """Resident bytes on one device: weights (+ fp32 grads + distributed-optimizer shard when trained; LoRA, a
+    share `adapters` of the parameters: the adapters' weights, grads and optimizer shard only)."""
     shard = model.shard_params(t, p, lm_head)
     if not trained:
         return acc.param_bytes * shard
     opt_bytes = 12 if acc.mixed_precision else 8
+    if adapters:
+        return acc.param_bytes * shard + (acc.param_bytes + 4 + opt_bytes / d) * adapters * shard
     return (acc.param_bytes + 4 + opt_bytes / d) * shard
 
 

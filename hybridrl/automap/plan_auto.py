@@ -37,10 +37,14 @@ def build_report(args: argparse.Namespace) -> dict:
     acc = gpu(args.gpu).with_network(gpus_per_node=min(args.nodes_of, args.gpus), inter_node_gbps=args.inter_node_gbps)
     work = _workload(args, spec)
     reward = None if args.reward_model == "none" else args.reward_model
+    rank = getattr(args, "lora_rank", 0)
+    targets = [t for t in getattr(args, "lora_targets", "all").split(",") if t]
+    lora = {"actor": (rank, targets), "critic": (rank, targets)} if rank else None
 
     def problem(execution_allows_pp: bool):
         return make_problem(args.model, args.algorithm, acc, args.gpus, work, critic_model=args.critic_model,
-                            reward_model=reward, cost_model=reward, allow_generation_pp=execution_allows_pp)
+                            reward_model=reward, cost_model=reward, allow_generation_pp=execution_allows_pp,
+                            lora=lora)
 
     prob = problem(args.rollout_pool)
     mapper = Mapper(prob, args.execution)
@@ -54,6 +58,9 @@ def build_report(args: argparse.Namespace) -> dict:
                      "response_len": work.response_len, "mini_batches": work.mini_batches, "epochs": work.epochs,
                      "greedy_baseline": work.greedy, "old_log_prob_pass": work.old_log_probs},
         "roles": list(prob.roles),
+        "lora": {"rank": rank, "target_modules": targets, "adapter_share": prob.adapters.get("actor"),
+                 "reference": "the actor with its adapters off" if prob.reference_from_actor else None}
+        if rank else None,
         "best": best,
         "by_placement": {kind: {"step_s": round(m.step_s, 4), "label": m.label} for kind, m in result.by_kind.items()},
         "candidates": {**result.counts, "search_s": round(result.seconds, 3),
@@ -120,6 +127,12 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
                                 **({"path": _config_model(model, f"/path/to/{model}")} if role == "actor" else {})}
     gen = roles["actor"]["generation"]
     cfg["rollout"].update(tp=gen["tp"], pp=gen["pp"])
+    if report.get("lora"):  # the actor's (and critic's) adapters; the actor is its own reference
+        lora = report["lora"]
+        for role in ("actor", "critic"):
+            if role in cfg:
+                cfg[role]["lora"] = {"rank": lora["rank"], "alpha": 2 * lora["rank"],
+                                     "target_modules": lora["target_modules"]}
     return cfg
 
 

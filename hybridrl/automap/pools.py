@@ -27,12 +27,15 @@ TRAINED = ("actor", "critic", "cost_critic")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def stage_ops(roles: tuple[str, ...], work: Workload) -> list[tuple[int, str, str]]:
+def stage_ops(roles: tuple[str, ...], work: Workload, reference_from_actor: bool = False) -> list[tuple[int, str, str]]:
     """(stage, role, op) of one RL step. Generation; experience preparation (log-probs, values, scores);
-    training (actor and critic updates)."""
+    training (actor and critic updates). reference_from_actor: a LoRA actor's adapters-off forward is the
+    reference's log-prob pass."""
     ops = [(GEN, "actor", "generate")]
     if work.old_log_probs:
         ops.append((PREP, "actor", "log_prob"))
+    if reference_from_actor:
+        ops.append((PREP, "actor", "ref_log_prob"))
     for role in roles:
         if role == "ref":
             ops.append((PREP, role, "log_prob"))
@@ -55,6 +58,8 @@ class Problem:
     gpus: int
     allow_generation_pp: bool = False  # hybridrl's trainer refuses rollout.pp > 1
     max_micro_batch: int | None = None  # largest micro-batch (sequences) to consider
+    adapters: dict[str, float] = field(default_factory=dict)  # LoRA roles: adapter share of the parameters
+    reference_from_actor: bool = False  # a LoRA actor is its own reference (no "ref" role)
     simulations: int = 0
     oom_excluded: int = 0
     _transitions: dict = field(default_factory=dict)
@@ -114,7 +119,7 @@ def best_pool(prob: Problem, roles: tuple[str, ...], devices: int, per_node: int
     models = [prob.models[r] for r in roles]
     cap = acc.memory_bytes - acc.memory_reserve_bytes
     net = Net(acc, per_node, devices)
-    ops_here = [(stage, role, op) for stage, role, op in stage_ops(prob.roles, work)
+    ops_here = [(stage, role, op) for stage, role, op in stage_ops(prob.roles, work, prob.reference_from_actor)
                 if role in roles and not (op == "generate" and not generates)]
     best: PoolChoice | None = None
     for t in divisors(devices):
@@ -127,7 +132,8 @@ def best_pool(prob: Problem, roles: tuple[str, ...], devices: int, per_node: int
             if any(r in TRAINED and (work.sequences % d or work.sequences // d < work.mini_batches) for r in roles):
                 continue
             prob.simulations += 1
-            static = sum(static_bytes(prob.models[r], r in LM_ROLES, r in TRAINED, t, p, d, acc) for r in roles)
+            static = sum(static_bytes(prob.models[r], r in LM_ROLES, r in TRAINED, t, p, d, acc,
+                                      prob.adapters.get(r, 0.0)) for r in roles)
             if static > cap:
                 prob.oom_excluded += 1
                 continue
@@ -194,7 +200,7 @@ def _micro_batches(prob: Problem, roles: tuple[str, ...], ops_here: list, t: int
                 ops["actor.transition"] = gen[3]
                 stages[stage] += gen[3]
             elif op == "update":
-                seconds = update_time(model, lm, t, p, d, mb, work, net, recompute)
+                seconds = update_time(model, lm, t, p, d, mb, work, net, recompute, prob.adapters.get(role, 0.0))
             else:
                 count = work.scored if op == "score" and role == "reward" else work.sequences
                 seconds = forward_time(model, lm, t, p, d, mb, count, work.tokens, net)

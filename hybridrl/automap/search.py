@@ -25,6 +25,7 @@ from typing import Iterator
 from hybridrl.automap.cost import ModelStats
 from hybridrl.automap.pools import STAGES, PoolChoice, Problem, best_pool, best_rollout_pool, weight_sync_time
 from hybridrl.hybrid_engine.model_shapes import model_shapes
+from hybridrl.models.lora import adapter_numel
 
 UNITS: dict[str, tuple[str, ...]] = {"actor": ("actor",), "ref": ("ref",), "critic": ("critic", "cost_critic"),
                                      "reward": ("reward",), "cost": ("cost",)}
@@ -72,12 +73,17 @@ def roles_for(algorithm: str, reward_model: bool = True, cost_model: bool = True
 
 def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model: str | None = None,
                  reward_model: str | None = "same", cost_model: str | None = "same", reference: bool = True,
-                 allow_generation_pp: bool = False) -> Problem:
+                 allow_generation_pp: bool = False, lora: dict[str, tuple[int, list[str] | None]] | None = None
+                 ) -> Problem:
     """The search's input. model: a preset or HF folder (the actor and reference); critic_model: the critics'
     (None: the actor's); reward_model / cost_model: "same" (the actor's size), None (a rule function: no
-    devices) or another preset / folder."""
+    devices) or another preset / folder; lora: {role: (rank, target_modules)} of the LoRA roles (actor, critic):
+    their adapters' share of the parameters is trained, and a LoRA actor is its own reference."""
     shapes = model_shapes(model)
     actor = ModelStats.from_shapes(shapes)
+    lora = lora or {}
+    from_actor = reference and "actor" in lora
+    reference = reference and not from_actor
 
     def stats(name: str | None) -> ModelStats:
         return actor if name in (None, "same", model) else ModelStats.from_shapes(model_shapes(name))
@@ -86,7 +92,15 @@ def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model:
                       reference=reference)
     models = {"actor": actor, "ref": actor, "critic": stats(critic_model), "cost_critic": stats(critic_model),
               "reward": stats(reward_model), "cost": stats(cost_model)}
-    return Problem({r: models[r] for r in roles}, shapes, roles, work, acc, gpus, allow_generation_pp)
+    adapters = {}
+    for role, (rank, targets) in lora.items():
+        role_shapes = shapes if role == "actor" or critic_model in (None, "same", model) else model_shapes(critic_model)
+        adapters[role] = adapter_numel(((s.name, s.shape) for s in role_shapes.params), rank, targets) / \
+            role_shapes.numel
+        if role == "critic":
+            adapters["cost_critic"] = adapters[role]
+    return Problem({r: models[r] for r in roles}, shapes, roles, work, acc, gpus, allow_generation_pp,
+                   adapters=adapters, reference_from_actor=from_actor)
 
 
 def set_partitions(items: list[str]) -> Iterator[list[list[str]]]:

@@ -20,6 +20,7 @@ from hybridrl.automap import plan_auto
 from hybridrl.automap.hardware import GPUS
 from hybridrl.automap.search import EXECUTIONS
 from hybridrl.hybrid_engine.accounting import plan_report
+from hybridrl.hybrid_engine.lora_sync import lora_plan_report
 from hybridrl.hybrid_engine.model_shapes import DTYPE_BYTES, PRESETS
 from hybridrl.parallel.generation import GenerationLayout
 from hybridrl.parallel.layout import FSDP_MODES, LayoutError, ParallelLayout
@@ -75,6 +76,9 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
                        help="also consider generation on a pool of its own and p_g > 1 (not yet runnable)")
     group.add_argument("--top", type=int, default=5, help="mappings to list")
     group.add_argument("--write-config", metavar="FILE", help="write the best mapping as a hybridrl train YAML")
+    lora = parser.add_argument_group("LoRA (the actor's adapters; plan and --auto)")
+    lora.add_argument("--lora-rank", type=int, default=0, help="adapter rank (0: full fine-tuning)")
+    lora.add_argument("--lora-targets", default="all", help="comma-separated lora.target_modules (default: all)")
 
 
 def _gib(n: float) -> str:
@@ -86,7 +90,15 @@ def build_report(args: argparse.Namespace) -> dict:
     train = ParallelLayout(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, ep=args.train_ep,
                            etp=args.train_etp, fsdp=args.train_fsdp)
     gen = GenerationLayout(tp=args.gen_tp, pp=args.gen_pp, ep=args.gen_ep)
-    return plan_report(args.model, train, gen, args.dtype, per_rank=args.per_rank)
+    report = plan_report(args.model, train, gen, args.dtype, per_rank=args.per_rank)
+    if args.lora_rank:
+        report["lora"] = lora_plan_report(args.model, args.lora_rank, _lora_targets(args), train, gen,
+                                          DTYPE_BYTES[args.dtype])
+    return report
+
+
+def _lora_targets(args: argparse.Namespace) -> list[str]:
+    return [t for t in args.lora_targets.split(",") if t]
 
 
 def _print_text(report: dict) -> None:
@@ -111,6 +123,15 @@ def _print_text(report: dict) -> None:
         print(f"{name:13s} {_gib(s['bytes_per_gpu_mean']):>15s} {_gib(s['bytes_per_gpu_max']):>15s} "
               f"{_gib(s['padding_bytes_per_gpu_max']):>15s} {_gib(s['peak_extra_bytes_per_gpu']):>15s} "
               f"{_gib(s['redundant_bytes_per_gpu_max']):>15s}")
+    if "lora" in report:
+        lo = report["lora"]
+        print(f"\nLoRA r={lo['rank']} on {','.join(lo['targets'])}: {lo['adapter_params']:,} adapter params "
+              f"({lo['adapter_share']:.4f} of the model; gradients and optimizer states for these only)")
+        print(f"reference: {lo['reference']}")
+        print(f"rollout pool sync per rank: {_gib(lo['sync_bytes_per_rollout_rank'])} adapters vs "
+              f"{_gib(lo['full_sync_bytes_per_rollout_rank'])} full (ratio "
+              f"{lo['sync_bytes_per_rollout_rank'] / lo['full_sync_bytes_per_rollout_rank']:.4f})")
+        print(f"merged generation: {_gib(lo['merge_kept_bytes_per_gpu'])} of frozen base kept aside per GPU")
 
 
 def _print_auto(report: dict) -> None:

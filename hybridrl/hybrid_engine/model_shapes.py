@@ -76,6 +76,10 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
                       rope_theta=1e6),
     "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    # Llama-3 / 3.1 70B: Llama-2-70B's layers with a 128k vocabulary
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_theta=500000.0),
 }
 
 # Mixture-of-experts models (their public config.json; DeepSeek-V3 without its multi-token-prediction layer,

@@ -66,12 +66,13 @@ def shares_rows() -> bool:
     return not uses_transformer_engine()
 
 
-def layer_spec(config: Any, pp_rank: int = 0):
-    """TransformerEngine spec on GPU when transformer_engine imports; Megatron's local spec otherwise. With
-    experts, the spec of this pipeline stage's layers (MoE or dense, from config.moe_layer_freq)."""
+def layer_spec(config: Any, pp_rank: int = 0, local: bool = False):
+    """TransformerEngine spec on GPU when transformer_engine imports; Megatron's local spec otherwise (or when
+    `local`: LoRA adapters need the norm's output, which TE's fused norm + linear keeps inside). With experts,
+    the spec of this pipeline stage's layers (MoE or dense, from config.moe_layer_freq)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    te = uses_transformer_engine()
+    te = uses_transformer_engine() and not local
     if config.num_moe_experts:
         return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                                           normalization=config.normalization, pp_rank=pp_rank)
@@ -104,13 +105,14 @@ def _expert_sizes(pg_collection: Any) -> tuple[int, int | None]:
 def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | None = None,
                     post_process: bool | None = None, pg_collection: Any = None,
                     dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                    padded_vocab_size: int | None = None, **config_overrides: Any):
+                    padded_vocab_size: int | None = None, local_spec: bool = False, **config_overrides: Any):
     """A Megatron GPTModel for this rank's TP/PP shard of a Llama/Qwen2 HF config.
 
     head="lm": logits over the (padded) vocab; head="scalar": per-token scalars [b, s, 1] from a
     replicated Linear(hidden, 1) (critic / reward model). Parallel sizes come from `pg_collection`
     or, without one, from Megatron's global parallel state. The returned model carries
-    `hybridrl_args` (GPTArgs), `hybridrl_head` and `hybridrl_family` for conversion code.
+    `hybridrl_args` (GPTArgs), `hybridrl_head` and `hybridrl_family` for conversion code. local_spec: Megatron's
+    local layers even where TransformerEngine is installed (LoRA).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -134,7 +136,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     tie = args.tie_embeddings and head == "lm"
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config, pp_rank), vocab_size=args.padded_vocab_size,
+        config=config, transformer_layer_spec=layer_spec(config, pp_rank, local_spec), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_sequence_length, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=tie, position_embedding_type="rope",
         rotary_base=args.rope.theta, rope_scaling=args.rope.llama3_factor is not None,
@@ -188,10 +190,12 @@ def global_param_name(model: Any, local_name: str) -> str:
 
 
 def named_global_parameters(model: Any):
-    """(global Megatron name, parameter) for this rank's shard; unwraps DDP/Float16Module wrappers."""
+    """(global Megatron name, parameter) for this rank's shard; unwraps DDP/Float16Module wrappers. LoRA adapters
+    (models/lora.py) are not the model's weights: they are left out (models/lora_io.py moves them)."""
     inner = unwrap(model)
     for name, param in inner.named_parameters():
-        yield global_param_name(inner, name), param
+        if ".lora." not in f".{name}":
+            yield global_param_name(inner, name), param
 
 
 def unwrap(model: Any) -> Any:

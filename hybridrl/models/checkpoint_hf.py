@@ -167,8 +167,9 @@ def _read_shard(reader: SafetensorsReader, family: ModelFamily, mcore_name: str,
 
 
 @torch.no_grad()
-def load_hf_weights(model: Any, folder: str | Path, hf_config: Any, *, init_missing_score: bool = False) -> None:
-    """Fill this rank's Megatron shard from a HF folder, reading only this shard's slices.
+def load_hf_weights(model: Any, folder: Any, hf_config: Any, *, init_missing_score: bool = False) -> None:
+    """Fill this rank's Megatron shard from a HF folder, reading only this shard's slices. `folder` may also be
+    a reader with SafetensorsReader's read / shape / weight_map (models/peft.py: a base with an adapter merged).
 
     init_missing_score: a scalar-head model built from a causal-LM checkpoint (critic) keeps its
     freshly initialised value head instead of failing on the missing `score.weight`.
@@ -176,7 +177,7 @@ def load_hf_weights(model: Any, folder: str | Path, hf_config: Any, *, init_miss
     inner = unwrap(model)
     family, head = inner.hybridrl_family, inner.hybridrl_head
     padded = inner.hybridrl_args.padded_vocab_size
-    reader = SafetensorsReader(folder)
+    reader = SafetensorsReader(folder) if isinstance(folder, (str, Path)) else folder
     tp_group, expert_tp_group = _tp_groups(inner)
     tp_rank, tp_size = _rank_size(tp_group)
     expert_tp = _rank_size(expert_tp_group)

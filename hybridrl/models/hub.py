@@ -97,15 +97,6 @@ def adapter_base(folder: str | Path) -> str | None:
         return None
 
 
-def tokenizer_folder(folder: str | Path) -> str:
-    """Where a model folder's tokenizer is: the folder, or for a PEFT adapter without tokenizer files its base
-    model's (resolved like any reference)."""
-    base = adapter_base(folder)
-    if base is None or any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return str(folder)
-    return resolve_reference(base, f"{folder}/adapter_config.json base_model_name_or_path")
-
-
 def snapshot_revision(folder: str | Path) -> str | None:
     """The commit a resolved hub snapshot folder holds (its folder name under snapshots/), else None."""
     path = Path(folder)

@@ -8,14 +8,16 @@ from typing import Any, Iterator
 
 import torch
 
-from hybridrl.config import ModelConfig, MoeConfig, OptimConfig, ParallelConfig, RoleConfig, RolloutConfig, as_section
+from hybridrl.config import (LoraConfig, ModelConfig, MoeConfig, OptimConfig, ParallelConfig, RoleConfig, RolloutConfig,
+                             as_section)
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.hub import resolve_model
+from hybridrl.models.peft import tokenizer_folder
 from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, divisors
 from hybridrl.protocol import Batch
-from hybridrl.roles.base import (DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, layout_on,
+from hybridrl.roles.base import (DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, checked_lora, layout_on,
                                  parallel_argument, start_pool)
 from hybridrl.rollout import SamplingParams, TokenIds, sampling_params_from_config
 from hybridrl.rollout.prompts import check_prompts, encode_prompts, left_pad
@@ -36,6 +38,8 @@ class Actor(Role):
     optim: config.OptimConfig (lr, weight_decay, betas, clip_grad, warmup_steps, use_distributed_optimizer).
     loss: workers.policy.PolicyLossConfig (clip_ratio, entropy_coef, kl_estimator, policy_loss, loss_agg, ...).
     moe (models with experts): config.MoeConfig, the routers' aux_loss_coef and z_loss_coef.
+    lora: config.LoraConfig (rank, alpha, dropout, target_modules, init): train adapters only, the base frozen;
+    `reference_log_probs` then gives the base model's log-probs (the reference policy, no second model).
     Each may be a dict (checked: unknown keys are refused) or the dataclass itself.
     """
 
@@ -46,17 +50,19 @@ class Actor(Role):
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", tokenizer: Any = None, seed: int = 1, role: str = "actor",
                  call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None,
-                 parallel_config: dict | ParallelConfig | ParallelLayout | None = None) -> None:
+                 parallel_config: dict | ParallelConfig | ParallelLayout | None = None,
+                 lora: dict | LoraConfig | None = None) -> None:
         parallel = parallel_argument(parallel, parallel_config, "Actor")
         path = resolve_model(model, "Actor(model=...)")  # a hub id is fetched here, before any worker starts
         settings = RoleConfig(model=ModelConfig(path, dtype), moe=as_section(MoeConfig, moe, "Actor(moe=...)"),
+                              lora=checked_lora(lora, "Actor(lora=...)"),
                               optim=as_section(OptimConfig, optim, "Actor(optim=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if rollout is None or isinstance(rollout, dict):  # the short API's engine unless named: native (the
             rollout = {"engine": "native", **(rollout or {})}  # trainer resolves auto)
         self._start(settings, as_section(RolloutConfig, rollout, "Actor(rollout=...)"),
                     as_section(PolicyLossConfig, loss, "Actor(loss=...)"), parallel, resource_pool,
-                    tokenizer_for(path, tokenizer), seed, role, call_timeout_s)
+                    tokenizer_for(tokenizer_folder(path), tokenizer), seed, role, call_timeout_s)
 
     @classmethod
     def from_settings(cls, settings: RoleConfig, rollout: RolloutConfig, loss: PolicyLossConfig,
@@ -163,6 +169,11 @@ class Actor(Role):
             raise ValueError(f"actor.update: {len(data)} sequences cannot fill dp={dp} x mini_batches={mini_batches}")
         settings = dataclasses.replace(self.loss, **loss) if loss else self.loss
         return average_metrics(self.group.update(data, settings, mini_batches, epochs))
+
+    def reference_log_probs(self, sequences: Any) -> torch.Tensor:
+        """[B, R] log-probs of the responses under a LoRA actor's base model (its adapters off): the reference
+        policy without a reference model."""
+        return self.group.compute_ref_log_probs(policy_inputs(sequences))["ref_log_probs"]
 
     # ---- weights -----------------------------------------------------------------------------------------
     def save_hf(self, out_dir: str) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.config import ParallelConfig, as_section
+from hybridrl.config import LoraConfig, ParallelConfig, as_section
 from hybridrl.controller import ResourcePool, WorkerGroup, ensure_ray
+from hybridrl.models.lora_io import resolve_lora_config
 from hybridrl.parallel.layout import ParallelLayout, role_layout
 
 # Micro-batches pack sequences up to this many tokens (None: micro_batch_size sequences, one per row).
@@ -71,3 +72,15 @@ def average_metrics(results: list[dict]) -> dict[str, float]:
     weights = [float(r.pop("tokens", 1.0)) for r in results]
     total = sum(weights) or 1.0
     return {k: sum(w * r[k] for w, r in zip(weights, results)) / total for k in results[0]}
+
+
+def checked_lora(lora: dict | LoraConfig | None, where: str) -> LoraConfig:
+    """A role's LoRA settings from the short API (None: off), resolved and checked as the trainer's plan does
+    (models/lora_io.py resolve_lora_config): a ValueError names the key."""
+    settings = as_section(LoraConfig, lora, where)
+    if not settings.enabled:
+        return settings
+    try:
+        return resolve_lora_config(settings)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

@@ -5,18 +5,20 @@ from typing import Any
 
 import torch
 
-from hybridrl.config import ModelConfig, OptimConfig, ParallelConfig, RoleConfig, as_section
+from hybridrl.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig, RoleConfig, as_section
 from hybridrl.controller import ResourcePool
 from hybridrl.models.hub import resolve_model
 from hybridrl.parallel.layout import ParallelLayout
-from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, parallel_argument
+from hybridrl.roles.base import (DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, checked_lora,
+                                 parallel_argument)
 from hybridrl.rollout.types import SEQUENCE_KEYS, as_sequences
 from hybridrl.workers.value import CriticWorker
 
 
 class Critic(Role):
     """A value model (scalar head) trained on returns; starts from a causal-LM or a scalar-head checkpoint.
-    optim: config.OptimConfig (a dict is checked and converted)."""
+    optim: config.OptimConfig; lora: config.LoraConfig (adapters + the value head trained, the rest frozen); each
+    may be a dict (checked and converted)."""
 
     def __init__(self, model: str | None = None, resource_pool: ResourcePool | None = None,
                  parallel: dict | ParallelConfig | ParallelLayout | None = None,
@@ -24,10 +26,12 @@ class Critic(Role):
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", seed: int = 1, role: str = "critic",
                  call_timeout_s: float | None = 3600.0,
-                 parallel_config: dict | ParallelConfig | ParallelLayout | None = None) -> None:
+                 parallel_config: dict | ParallelConfig | ParallelLayout | None = None,
+                 lora: dict | LoraConfig | None = None) -> None:
         parallel = parallel_argument(parallel, parallel_config, "Critic")
         settings = RoleConfig(model=ModelConfig(resolve_model(model, "Critic(model=...)"), dtype),
                               optim=as_section(OptimConfig, optim, "Critic(optim=...)"),
+                              lora=checked_lora(lora, "Critic(lora=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         super().__init__(CriticWorker, role, resource_pool, parallel, {"role": settings, "seed": seed}, seed,
                          call_timeout_s)

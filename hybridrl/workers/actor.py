@@ -18,14 +18,19 @@ from typing import Any
 from hybridrl.algorithms import loss_agg
 from hybridrl.config import RoleConfig, RolloutConfig
 from hybridrl.controller import Dispatch, Worker, register
-from hybridrl.hybrid_engine.bridge import open_bridge, send_shards
+from hybridrl.hybrid_engine.bridge import PendingSends, open_bridge, send_shards
 from hybridrl.hybrid_engine.engine import HybridEngine
+from hybridrl.hybrid_engine.lora_sync import AdapterSpec, pack, send_adapters
 from hybridrl.hybrid_engine.megatron_adapter import training_params
 from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
+from hybridrl.models.lora import MergedWeights, adapters_disabled, merged_adapters
+from hybridrl.models.lora_io import adapter_factors_everywhere, gather_adapter_factors
+from hybridrl.models.peft import model_files
 from hybridrl.parallel.generation import GenerationLayout
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
+from hybridrl.rollout.vllm_lora import VllmAdapters, vllm_adapter_support, vllm_lora_rank
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
 from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs, response_mask
 from hybridrl.workers.sharding import gathered_parameters
@@ -62,11 +67,18 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
                                    bucket_mb=rollout.bucket_mb)
         # vLLM's TP group must be the hybrid engine's strided generation TP group
         tp_groups = self.hybrid.groups.gen_tp_groups() if rollout.engine == "vllm" else None
-        self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, model_path=role.model.path,
+        # LoRA on vLLM: the engine keeps the frozen base and serves the adapters as its LoRA adapter where it can
+        lora = self.model.lora
+        adapters_in_vllm = rollout.engine == "vllm" and lora is not None and \
+            vllm_adapter_support(lora, role.model.path, self.model.hf_config) is None
+        self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, model_path=model_files(role.model.path),
                                            vocab_size=self.model.vocab_size, tokens=tokens, dtype=role.model.dtype,
-                                           tp_groups=tp_groups)
+                                           tp_groups=tp_groups, lora_rank=vllm_lora_rank(lora.rank) if adapters_in_vllm
+                                           else None)
+        self._vllm_adapters = VllmAdapters(self.engine, lora) if adapters_in_vllm else None
         self.engine.release()  # KV cache only while generating
         self._generating = False  # between begin_generation and end_generation
+        self._merged = None  # LoRA: the merged weights while generating (their base kept aside)
 
     # ---- generation ------------------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
@@ -100,7 +112,18 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         if self._generating:
             return 0.0
         start = time.perf_counter()
+        if self._vllm_adapters is not None:  # the engine holds the frozen base: only the adapters go to it
+            self._vllm_adapters.load(adapter_factors_everywhere(self.model.model))
+            self._generating = True
+            self.engine.wake()
+            return time.perf_counter() - start
+        # LoRA: the generation weights are W + BA, merged here in the training layout and resharded as any weight
+        # (lora.generation=forward: the training model generates with its adapters in the decode forward)
+        lora = self.model.lora
+        self._merged = MergedWeights(self.model.inner) if lora is not None and lora.generation == "merge" else None
         gen_model = self.hybrid.to_generation()
+        if self._merged is not None:
+            self.hybrid.last_stats.extra["lora_kept_bytes"] = self._merged.kept_bytes
         self._generating = True
         self._push_weights(gen_model)
         self.engine.wake()
@@ -136,6 +159,9 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         start = time.perf_counter()
         self.engine.release()
         self.hybrid.to_training()
+        if self._merged is not None:  # the frozen base back, bit for bit
+            self._merged.restore()
+            self._merged = None
         self._generating = False
         return time.perf_counter() - start
 
@@ -168,12 +194,35 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
             self._sends.pop(0).wait()
         params = training_params(self.model.model, self.layout.coords(self.rank).pp)
         metas = [ShardMeta.of(p) for p in params]
-        sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
-                                  self.world_size)
+        with merged_adapters(self.model.inner):  # LoRA: W + BA go (send_shards packs copies before returning)
+            sends, sent = send_shards(self._bridge, plan, self.rank, {p.name: p.tensor for p in params}, metas,
+                                      self.world_size)
         self._sends.append(sends)
         if self.rank == 0:  # the replicas of a partial rollout take the new weights at once
             self._bridge.announce()
         return sent
+
+    # LoRA: the base is frozen, so a rollout pool keeps its own and receives the adapters only (lora_sync.py)
+    @register(Dispatch.ONE_TO_ALL)
+    def bridge_adapter_spec(self) -> AdapterSpec | None:
+        """The adapter message's layout (collective; on training rank 0, None elsewhere)."""
+        gathered = gather_adapter_factors(self.model.model)
+        self._adapter_spec = None if gathered is None else AdapterSpec.of(gathered[0])
+        return self._adapter_spec
+
+    @register(Dispatch.ONE_TO_ALL)
+    def bridge_send_adapters(self, receivers: list[int], in_flight: int = 1) -> int:
+        """Gather the adapters whole (collective) and send them from training rank 0 to every rollout rank
+        (bridge ranks `receivers`); returns the payload bytes sent (0 on the other ranks)."""
+        while len(self._sends) >= max(1, in_flight):
+            self._sends.pop(0).wait()
+        gathered = gather_adapter_factors(self.model.model)
+        if gathered is None:
+            return 0
+        flat = pack(gathered[0], self._adapter_spec, self._bridge.device)
+        self._sends.append(PendingSends(send_adapters(self._bridge, flat, receivers), [flat]))
+        self._bridge.announce()
+        return flat.numel() * flat.element_size() * len(receivers)
 
     # ---- training layout ---------------------------------------------------------------------------------
     @register(Dispatch.DP_COMPUTE)
@@ -207,9 +256,17 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:
-        """Write the current policy as a Hugging Face folder (collective; rank 0 writes)."""
-        with gathered_parameters(self.model.model):  # fsdp: whole TP shards while exporting
+        """Write the current policy as a Hugging Face folder (collective; rank 0 writes); LoRA: merged."""
+        with gathered_parameters(self.model.model), merged_adapters(self.model.inner):  # fsdp: whole TP shards
             export_hf_checkpoint(self.model.model, self.model.hf_config, out_dir)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_ref_log_probs(self, data: Batch) -> Batch:
+        """"ref_log_probs" of a LoRA actor's base model (its adapters off): the reference policy, no second copy."""
+        if self.model.lora is None:
+            raise RuntimeError("the actor is its own reference only with LoRA adapters (actor.lora)")
+        with adapters_disabled(self.model.inner):
+            return self._log_probs(data, "ref_log_probs")
 
 
 class ReferenceWorker(_LogProbMixin, Worker):

@@ -20,20 +20,22 @@ from typing import Any, Callable
 
 import torch
 
-from hybridrl.config import MoeConfig, OptimConfig, RoleConfig
+from hybridrl.config import LoraConfig, MoeConfig, OptimConfig, RoleConfig
 from hybridrl.controller.dispatch import Dispatch, register
-from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+from hybridrl.models import build_gpt_model, load_hf_weights
 from hybridrl.models.builder import shares_rows, unwrap
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
 from hybridrl.models.families import ModelDims
+from hybridrl.models.lora_io import ADAPTER_DIR, add_adapters, load_adapter_folder, save_adapter_folder
+from hybridrl.models.peft import model_config, model_weights
 from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.parallel.distributed import device
 from hybridrl.protocol import Batch
 from hybridrl.workers import fsdp_checkpoint
 from hybridrl.workers.moe_metrics import RoutingTracker
-from hybridrl.workers.sharding import fully_sharded, local_tensor, release_gathered, shards_model
 from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
+from hybridrl.workers.sharding import fully_sharded, local_tensor, release_gathered, shards_model
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class MegatronModel:
     def __init__(self, path: str, *, head: str = "lm", dtype: str = "float32", micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = None, optim: OptimConfig | None = None,
                  moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234,
-                 fsdp: str = "no_shard") -> None:
+                 fsdp: str = "no_shard", lora: LoraConfig | None = None) -> None:
         from megatron.core import parallel_state
 
         if dtype not in DTYPES:
@@ -82,12 +84,15 @@ class MegatronModel:
         self.micro_batch_size, self.max_tokens_per_micro_batch = micro_batch_size, max_tokens_per_micro_batch
         self.sequence_parallel = sequence_parallel
         self.fsdp = fsdp  # parallel.fsdp: fully sharded data parallel (workers/sharding.py)
-        self.hf_config = load_hf_config(path)
+        self.hf_config = model_config(path)  # a PEFT adapter folder: its base with the adapter merged (models/peft.py)
         torch.manual_seed(seed)
+        self.lora = lora if lora is not None and lora.enabled and optim is not None else None
         model = build_gpt_model(self.hf_config, head=head, dtype=DTYPES[dtype], sequence_parallel=sequence_parallel,
-                                **_router_losses(self.hf_config, moe or MoeConfig()))
+                                **_router_losses(self.hf_config, moe or MoeConfig()), local_spec=self.lora is not None)
         model = model.to(device())
-        load_hf_weights(model, path, self.hf_config, init_missing_score=head == "scalar")
+        load_hf_weights(model, model_weights(path), self.hf_config, init_missing_score=head == "scalar")
+        if self.lora is not None:  # adapters only are trained: the optimizer below sees nothing else
+            add_adapters(model, self.lora, seed=seed)
         self.inner = model
         self.vocab_size = int(self.hf_config.vocab_size)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -118,7 +123,7 @@ class MegatronModel:
         return cls(role.model.path, head=head, dtype=role.model.dtype, micro_batch_size=role.micro_batch_size,
                    max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
                    optim=role.optim if trainable else None, moe=role.moe,
-                   sequence_parallel=layout.sequence_parallel, seed=seed, fsdp=layout.fsdp)
+                   sequence_parallel=layout.sequence_parallel, seed=seed, fsdp=layout.fsdp, lora=role.lora)
 
     def _make_trainable(self, optim: OptimConfig) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -319,14 +324,17 @@ class MegatronModel:
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str) -> None:
         """Collective over the role's ranks. Writes out_dir/model (a Megatron distributed checkpoint of the
-        weights that loads at any TP/PP, see models/dist_ckpt.py), out_dir/optimizer (the optimizer's sharded
+        weights that loads at any TP/PP, see models/dist_ckpt.py; LoRA: out_dir/adapter instead, a PEFT adapter
+        folder naming the frozen base, which is not copied), out_dir/optimizer (the optimizer's sharded
         state in model space, so it reshards too, plus the LR scheduler and step count) and out_dir/rng (this
         rank's RNG states, restored only at the same layout)."""
         from megatron.core import dist_checkpointing
 
         root = Path(out_dir)
         rank = torch.distributed.get_rank()
-        if self._sharded:  # fully sharded: the same format, from the gathered TP shards (fsdp_checkpoint.py)
+        if self.lora is not None:
+            save_adapter_folder(self.model, root / ADAPTER_DIR, base=self.path, dropout=self.lora.dropout)
+        elif self._sharded:  # fully sharded: the same format, from the gathered TP shards (fsdp_checkpoint.py)
             fsdp_checkpoint.save_model(self.model, self.hf_config, root / "model")
         else:
             save_dist_checkpoint(self.model, self.hf_config, root / "model")
@@ -360,7 +368,12 @@ class MegatronModel:
         from megatron.core import dist_checkpointing
 
         root = Path(ckpt_dir)
-        if self._sharded:
+        if self.lora is not None:
+            if not (root / ADAPTER_DIR).is_dir():
+                raise CheckpointError(f"{root}: no {ADAPTER_DIR}/ (a LoRA checkpoint's adapters); it was saved "
+                                      f"without LoRA: resume with the same lora settings")
+            load_adapter_folder(self.model, root / ADAPTER_DIR)
+        elif self._sharded:
             fsdp_checkpoint.load_model(self.model, root / "model")
         else:
             load_dist_checkpoint(self.model, root / "model")

@@ -53,7 +53,7 @@ class RoutingTracker:
     def finish(self, passes: int) -> dict[str, float]:
         """Collective over every rank of the role (all stages and replicas)."""
         from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
-                                                            reduce_aux_losses_tracker_across_ranks)
+                                                             reduce_aux_losses_tracker_across_ranks)
 
         self.active = False
         metrics: dict[str, float] = {}

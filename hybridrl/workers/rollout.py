@@ -22,35 +22,52 @@ from typing import Any
 
 import torch
 
-from hybridrl.config import RolloutConfig
+from hybridrl.config import LoraConfig, RolloutConfig
 from hybridrl.controller import Dispatch, Worker, register
 from hybridrl.hybrid_engine.bridge import PendingReceive, open_bridge
+from hybridrl.hybrid_engine.lora_sync import AdapterSpec, FactorSource, PendingAdapterReceive
 from hybridrl.hybrid_engine.megatron_adapter import load_generation_weights
-from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+from hybridrl.models import build_gpt_model, load_hf_weights
 from hybridrl.models.checkpoint_hf import iter_full_hf_tensors
+from hybridrl.models.lora import adapters_of, merged_adapters
+from hybridrl.models.lora_io import add_adapters, load_adapter_factors
+from hybridrl.models.peft import model_config, model_files, model_weights
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
 from hybridrl.rollout.base import GeneratedSequence, assemble_batch, normalise_prompts, validate_prompts
+from hybridrl.rollout.vllm_lora import VllmAdapters, vllm_adapter_support, vllm_lora_rank
 from hybridrl.workers.actor import replica_params
 from hybridrl.workers.megatron_model import DTYPES
 
 
 class RolloutWorker(Worker):
     def __init__(self, model_path: str, dtype: str, rollout: RolloutConfig, tokens: TokenIds,
-                 padded_vocab_size: int | None = None) -> None:
+                 padded_vocab_size: int | None = None, lora: LoraConfig | None = None) -> None:
         """model_path: the actor's initial weights (a local HF folder); dtype: the actor's; rollout: engine and
         max_model_len resolved by the driver, rollout.partial for partial rollouts; padded_vocab_size: the
-        actor's padded vocabulary (it depends on the training TP), so its shards fit this model."""
+        actor's padded vocabulary (it depends on the training TP), so its shards fit this model; lora: a LoRA
+        actor's adapter settings (resolved): the base stays as loaded, syncs bring the adapters only, which the
+        native engine applies in its forward (vLLM gets W + BA pushed)."""
         self.path, self.rollout = model_path, rollout
-        self.hf_config = load_hf_config(model_path)
+        self.hf_config = model_config(model_path)  # a PEFT adapter folder: merged into its base (models/peft.py)
         self.dtype = DTYPES[dtype]
-        self.model = build_gpt_model(self.hf_config, dtype=self.dtype, padded_vocab_size=padded_vocab_size).eval()
-        load_hf_weights(self.model, model_path, self.hf_config)
+        self.model = build_gpt_model(self.hf_config, dtype=self.dtype, padded_vocab_size=padded_vocab_size,
+                                     local_spec=lora is not None).eval()
+        load_hf_weights(self.model, model_weights(model_path), self.hf_config)
+        if lora is not None:  # the actor's initial adapters (B = 0, or lora.init's), until the first sync
+            add_adapters(self.model, lora, seed=0)
+        self._adapter_spec: AdapterSpec | None = None
         # vLLM runs SPMD over each replica's TP ranks (this pool's process group)
         tp_groups = self.layout.tp_groups() if rollout.engine == "vllm" else None
-        self.engine = build_rollout_engine(rollout, model=self.model, model_path=model_path,
+        adapters_in_vllm = rollout.engine == "vllm" and lora is not None and \
+            vllm_adapter_support(lora, model_path, self.hf_config) is None
+        self.engine = build_rollout_engine(rollout, model=self.model, model_path=model_files(model_path),
                                            vocab_size=int(self.hf_config.vocab_size), tokens=tokens, dtype=dtype,
-                                           tp_groups=tp_groups)
+                                           tp_groups=tp_groups, lora_rank=vllm_lora_rank(lora.rank) if adapters_in_vllm
+                                           else None)
+        self._vllm_adapters = VllmAdapters(self.engine, lora) if adapters_in_vllm else None
+        if self._vllm_adapters is not None and lora.init not in ("kaiming", "gaussian"):
+            self._vllm_adapters.load_folder(lora.init)  # the actor's starting adapters, until the first sync
         self.partial = rollout.partial
         self.version = 0  # policy versions applied
         self._posted = 0  # policy versions whose receives are posted
@@ -61,10 +78,11 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def bridge_open(self, host: str, port: int, size: int, offset: int, timeout_s: float, plan: list, metas: dict,
-                    train_layout: Any) -> None:
+                    train_layout: Any, adapter_spec: AdapterSpec | None = None) -> None:
         self._bridge = open_bridge(host, port, offset + self.rank, size, timeout_s,
                                    next(self.model.parameters()).device)
         self._plan, self._metas, self._train_layout = plan, metas, train_layout  # the same messages every sync
+        self._adapter_spec = adapter_spec  # LoRA: syncs carry the adapters only (hybrid_engine/lora_sync.py)
 
     @register(Dispatch.ONE_TO_ALL)
     def bridge_receive(self, version: int) -> None:
@@ -77,8 +95,8 @@ class RolloutWorker(Worker):
         while self._posted < version:
             if self._incoming is not None:  # one version's buffers at a time: the older one goes in first
                 self._apply()
-            self._incoming = PendingReceive(self._plan, self.rank, self._metas, self._train_layout, self._bridge,
-                                            self.dtype)
+            self._incoming = PendingAdapterReceive(self._adapter_spec, self._bridge) if self._adapter_spec else \
+                PendingReceive(self._plan, self.rank, self._metas, self._train_layout, self._bridge, self.dtype)
             self._posted += 1
 
     @register(Dispatch.ONE_TO_ALL)
@@ -96,12 +114,17 @@ class RolloutWorker(Worker):
         start = time.perf_counter()
         tensors, received = self._incoming.assemble()
         self._incoming = None
-        load_generation_weights(self.model, tensors)
+        if self._adapter_spec is not None:  # new adapters on the frozen base, this rank's TP pieces of them
+            load_adapter_factors(self.model, FactorSource(tensors, adapters_of(self.model)[0].rank))
+        else:
+            load_generation_weights(self.model, tensors)
         if self.rollout.engine == "native":
             self.engine.load_weights(None)  # the native engine reads the model's parameters: drop the KV cache
+        elif self._vllm_adapters is not None:  # LoRA served by vLLM: the new adapters become its LoRA request
+            self._vllm_adapters.load(tensors)
         else:  # vLLM holds its own copy under HF names: full tensors, gathered over this replica's TP ranks
-
-            self.engine.load_weights(iter_full_hf_tensors(self.model, self.hf_config))
+            with merged_adapters(self.model):  # LoRA: W + BA
+                self.engine.load_weights(iter_full_hf_tensors(self.model, self.hf_config))
         self.version = self._posted
         self.last_sync = {"received_bytes": received, "seconds": time.perf_counter() - start, "version": self.version,
                           "shard_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}

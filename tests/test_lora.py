@@ -1,0 +1,217 @@
+"""LoRA on Megatron (models/lora.py) and PEFT adapter folders as models (models/peft.py), on four gloo ranks.
+
+- one adapter update equals transformers + peft's, at every layout;
+- a PEFT adapter folder stands where a model does, merged into its base at load at TP=2 x PP=2: a LoRA causal LM's
+  log-probs and a LoRA reward model's scores (its trained score head from modules_to_save) equal peft's (1e-4);
+- `hybridrl convert --from peft --to hf --merge-lora` writes a model with peft's logits.
+
+One pool for the module. The initial adapters are a peft adapter folder (A kaiming, B random so
+both factors get gradients) loaded as lora.init; one policy-gradient step with SGD (the change of each factor is lr x its
+gradient) at TP=1 x DP=4, TP=2 x PP=2 and TP=2 + SP x DP=2 equals the gradient peft computes on the
+same batch (relative 1e-5; lr 1000 so the step dwarfs the factors' rounding); the base weights do not move and the optimizer holds the adapters only. The reference
+log-probs with the adapters off equal the base model's, and the merged weights give the adapters' logits.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_helpers import make_peft_adapter, peft_model, response_log_probs
+
+pytestmark = pytest.mark.slow
+
+RANK, ALPHA, LR = 4, 8.0, 1000.0
+LAYOUTS = [dict(tp=1, pp=1, dp=4), dict(tp=2, pp=2, dp=1), dict(tp=2, pp=1, dp=2, sequence_parallel=True)]
+
+
+def _rollouts(vocab: int = 64, rows: int = 8):
+    """Left-padded prompts, right-padded responses (the rollout layout the actor trains on)."""
+    from hybridrl.protocol import Batch
+
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(1, vocab, (rows, 6), generator=g)
+    responses = torch.randint(1, vocab, (rows, 5), generator=g)
+    prompt_mask = torch.ones(rows, 6, dtype=torch.long)
+    response_mask = torch.ones(rows, 5, dtype=torch.long)
+    for i in range(rows):
+        prompt_mask[i, : i % 3] = 0
+        response_mask[i, 5 - i % 4:] = 0
+    prompts = prompts * prompt_mask
+    responses = responses * response_mask
+    advantages = torch.randn(rows, generator=g)[:, None] * response_mask
+    return Batch({"prompts": prompts, "responses": responses, "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+                  "response_mask": response_mask, "advantages": advantages.float()})
+
+
+def _peft_gradients(base: str, adapter_dir: str, data) -> dict[str, torch.Tensor]:
+    """d(token-mean policy-gradient loss) / d(each LoRA factor) in transformers + peft, by peft key."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter_dir,
+                                      is_trainable=True)
+    prompts, responses = data["prompts"], data["responses"]
+    ids, mask = torch.cat([prompts, responses], 1), data["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    log_probs = torch.log_softmax(logits[:, prompts.shape[1] - 1:-1], -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    response_mask = data["response_mask"].float()
+    ratio = torch.exp(log_probs - log_probs.detach())
+    loss = (-(data["advantages"] * ratio) * response_mask).sum() / response_mask.sum()
+    loss.backward()
+    return {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.models.tiny import default_model_dir
+
+    base = str(default_model_dir())
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear"))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    folder = tmp_path_factory.mktemp("lora") / "adapter"
+    model.save_pretrained(str(folder))
+    return base, str(folder)
+
+
+def _one_update(layout_kwargs: dict, base: str, adapter_dir: str, data) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.config import LoraConfig, OptimConfig
+    from hybridrl.models.lora_io import gather_adapter_factors
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.workers.megatron_model import MegatronModel
+    from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms
+
+    layout = ParallelLayout(**layout_kwargs)
+    initialize_model_parallel(layout)
+    model = MegatronModel(base, optim=OptimConfig(optimizer="sgd", lr=LR, clip_grad=1e9,
+                                                  use_distributed_optimizer=False),
+                          lora=LoraConfig(init=adapter_dir), sequence_parallel=layout.sequence_parallel,
+                          max_tokens_per_micro_batch=24)
+    base_before = {n: p.detach().clone() for n, p in model.inner.named_parameters() if ".lora." not in n}
+    before = gather_adapter_factors(model.model)
+    share = data.chunk(layout.dp)[ps.get_data_parallel_rank()]
+    tp_group = model.tp_group if model.tp > 1 else None
+    cfg = PolicyLossConfig()
+    metrics = model.train_step(share, lambda mb, out: actor_loss_terms(mb, out, model.vocab_size, tp_group, cfg),
+                               {k: share[k] for k in ("response_mask", "advantages")})
+    after = gather_adapter_factors(model.model)
+    moved = [n for n, p in model.inner.named_parameters() if ".lora." not in n and not torch.equal(p, base_before[n])]
+    optimized = sum(p.numel() for group in model.optimizer.param_groups for p in group["params"])
+    adapters = sum(p.numel() for n, p in model.inner.named_parameters() if ".lora." in n)
+    result = {"moved": moved, "optimized": optimized, "adapters": adapters, "grad_norm": metrics["grad_norm"]}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        result.update(before=before[0], after=after[0])
+    return result
+
+
+def _peft_folders_as_models(lm_adapter: str, rm_adapter: str, data) -> dict:
+    """A LoRA causal LM's response log-probs and a LoRA reward model's last-token scores at TP=2 x PP=2, each
+    loaded from its PEFT folder (merged into the base at load); on the last pipeline stage."""
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.workers.megatron_model import MegatronModel
+    from hybridrl.workers.policy import response_log_probs as megatron_log_probs
+    from hybridrl.workers.sequences import gather_at
+
+    initialize_model_parallel(ParallelLayout(tp=2, pp=2))
+    lm = MegatronModel(lm_adapter)
+    log_probs = lm.forward(data, lambda mb, out: megatron_log_probs(mb, out, lm.vocab_size, lm.tp_group)[0],
+                           {"response_mask": data["response_mask"]})
+    rm = MegatronModel(rm_adapter, head="scalar")
+
+    def last_token_score(mb, output):
+        return gather_at(output.squeeze(-1).float(), mb, (mb["lengths"] - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+
+    return {"log_probs": log_probs, "scores": rm.forward(data, last_token_score)}
+
+
+def _suite(base: str, adapter_dir: str, data, lm_adapter: str, rm_adapter: str) -> dict:
+    out = {str(kw): _one_update(kw, base, adapter_dir, data) for kw in LAYOUTS}
+    out["peft_models"] = _peft_folders_as_models(lm_adapter, rm_adapter, data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def peft_models(peft_adapter, tmp_path_factory):
+    base, _ = peft_adapter
+    root = tmp_path_factory.mktemp("peft_models")
+    lm = make_peft_adapter(base, root / "lm", rank=8, alpha=16, seed=11, targets=["q_proj", "v_proj", "down_proj"])
+    rm = make_peft_adapter(base, root / "rm", rank=4, alpha=4, seed=12, task_type="SEQ_CLS")
+    return lm, rm
+
+
+@pytest.fixture(scope="module")
+def updates(dist_pool, peft_adapter, peft_models):
+    base, adapter_dir = peft_adapter
+    return dist_pool(4).run(_suite, base, adapter_dir, _rollouts(), *peft_models, timeout_s=400)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda kw: "tp{tp}-pp{pp}-dp{dp}".format(**kw) +
+                         ("-sp" if kw.get("sequence_parallel") else ""))
+def test_one_lora_update_equals_peft(updates, peft_adapter, layout):
+    base, adapter_dir = peft_adapter
+    reference = _peft_gradients(base, adapter_dir, _rollouts())
+    got = updates[0][str(layout)]
+    assert got["moved"] == []  # the base is frozen
+    for rank_result in updates:
+        r = rank_result[str(layout)]
+        assert r["optimized"] == r["adapters"] > 0  # the optimizer holds this rank's adapters and nothing else
+    checked = 0
+    for module, (a0, b0) in got["before"].items():
+        a1, b1 = got["after"][module]
+        for factor, step in (("A", (a0 - a1) / LR), ("B", (b0 - b1) / LR)):
+            grad = reference[f"base_model.model.{module}.lora_{factor}.weight"]
+            assert (step - grad).abs().max() <= 1e-5 * grad.abs().max(), (module, factor)
+            checked += 1
+    assert checked == len(reference) == 2 * 7 * 2  # 7 projections x 2 layers, A and B
+    norm = torch.sqrt(sum(g.square().sum() for g in reference.values())).item()
+    assert got["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def test_peft_adapter_folders_stand_where_models_do(updates, peft_adapter, peft_models):
+    base, _ = peft_adapter
+    lm, rm = peft_models
+    data = _rollouts()
+    got = next(r["peft_models"] for r in updates if r["peft_models"]["log_probs"] is not None)
+    expected = response_log_probs(peft_model(base, lm), data)
+    assert (got["log_probs"] * data["response_mask"] - expected).abs().max() <= 1e-4
+    reference = peft_model(base, rm, task_type="SEQ_CLS")
+    ids = torch.cat([data["prompts"], data["responses"]], 1)
+    with torch.no_grad():
+        for row in range(len(data)):
+            sequence = ids[row][data["attention_mask"][row].bool()].unsqueeze(0)
+            assert abs(got["scores"][row].item() - reference(input_ids=sequence).logits[0, 0].item()) <= 1e-4, row
+
+
+def test_convert_merges_a_peft_adapter_into_a_hugging_face_model(peft_adapter, peft_models, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hybridrl.cli import main
+
+    base, _ = peft_adapter
+    lm, rm = peft_models
+    data = _rollouts()
+    assert main(["convert", "--from", "peft", "--to", "hf", "--merge-lora", lm, str(tmp_path / "lm")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lm"), dtype=torch.float32).eval()
+    assert (response_log_probs(merged, data) - response_log_probs(peft_model(base, lm), data)).abs().max() <= 1e-5
+    assert main(["convert", "--from", "peft", "--to", "hf", "--merge-lora", rm, str(tmp_path / "rm")]) == 0
+    scorer = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"), dtype=torch.float32).eval()
+    sequence = torch.cat([data["prompts"][0], data["responses"][0]])[None]
+    with torch.no_grad():
+        want = peft_model(base, rm, task_type="SEQ_CLS")(input_ids=sequence).logits
+        assert (scorer(input_ids=sequence).logits - want).abs().max() <= 1e-5
+    assert main(["convert", "--from", "peft", "--to", "hf", lm, str(tmp_path / "x")]) == 2  # --merge-lora missing
+    assert "add --merge-lora" in capsys.readouterr().err
