@@ -25,7 +25,7 @@ import torch
 
 from hybridrl.models.checkpoint_hf import SafetensorsReader
 from hybridrl.models.config import CheckpointError, load_hf_config
-from hybridrl.models.hub import ModelReferenceError, is_hub_reference, resolve_reference
+from hybridrl.models.hub import ModelReferenceError, adapter_base, is_hub_reference, resolve_reference
 from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -137,23 +137,27 @@ def _index(adapter: PeftAdapter, config: dict) -> None:
 
 
 def base_model_folder(adapter: PeftAdapter, base: str | None = None) -> str:
-    """The base model's local folder: `base` when given, else base_model_name_or_path (a folder, absolute or
-    relative to the adapter's, a tiny: name, or a hub id: the HF cache's folder, models/hub.py)."""
-    name = base or adapter.base
+    """The base model's local folder: `base` when given, else the adapter's base_model_name_or_path."""
+    return _base_folder(adapter.folder, base or adapter.base)
+
+
+def _base_folder(folder: Path, name: str | None) -> str:
+    """The local folder of an adapter's base reference: a folder (absolute or relative to the adapter's), a tiny:
+    name, or a hub id (its HF cache folder, models/hub.py: the driver fetched it, a worker reads the cache)."""
     if not name:
-        raise CheckpointError(f"{adapter.folder}: {ADAPTER_CONFIG} names no base_model_name_or_path; give the "
+        raise CheckpointError(f"{folder}: {ADAPTER_CONFIG} names no base_model_name_or_path; give the "
                               f"base model folder")
     if str(name).startswith(TINY_PREFIX):
         return resolve_model_path(name)
-    for candidate in (Path(name).expanduser(), adapter.folder / name):
+    for candidate in (Path(name).expanduser(), folder / name):
         if (candidate / "config.json").is_file() or is_peft_adapter(candidate):  # an adapter over an adapter too
             return str(candidate)
-    if is_hub_reference(name):  # the driver fetched it (plan / short API); a worker reads the cache
+    if is_hub_reference(name):
         try:
-            return resolve_reference(name, f"{adapter.folder}/{ADAPTER_CONFIG} base_model_name_or_path")
+            return resolve_reference(name, f"{folder}/{ADAPTER_CONFIG} base_model_name_or_path")
         except ModelReferenceError as exc:
             raise CheckpointError(str(exc)) from None
-    raise CheckpointError(f"{adapter.folder}: its base model {name!r} is no local model folder (config.json) and "
+    raise CheckpointError(f"{folder}: its base model {name!r} is no local model folder (config.json) and "
                           f"no hub id; set base_model_name_or_path to the base's folder or hub id")
 
 
@@ -255,8 +259,8 @@ def tokenizer_folder(path: str | Path) -> str:
     """Where a model's tokenizer files are: the folder itself, or (a PEFT adapter folder without them) its base's."""
     folder = Path(path)
     own = (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file()
-    return str(folder) if own or not is_peft_adapter(folder) else tokenizer_folder(base_model_folder(
-        read_peft_adapter(folder)))
+    return str(folder) if own or not is_peft_adapter(folder) else tokenizer_folder(_base_folder(folder,
+                                                                                                adapter_base(folder)))
 
 
 def write_merged_model(adapter_folder: str | Path, out_dir: str | Path) -> None:
