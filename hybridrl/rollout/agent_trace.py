@@ -145,6 +145,16 @@ class RunTrace:
             self.refused += 1
             raise
 
+    @staticmethod
+    def _render(encode: Any, messages: list[dict], extra: Any) -> list[int]:
+        """Messages through the chat template; a template that refuses them (e.g. roles out of its order) is the
+        request's fault: a 400, not a crash."""
+        try:
+            return encode(messages, extra)
+        except Exception as exc:  # noqa: BLE001 - jinja's errors (TemplateError, its raise_exception) and others
+            raise WireError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
+                            param="messages") from None
+
     def _after(self, tokens: list[int]) -> int | None:
         return tokens[-1] if tokens and self.eos is not None and tokens[-1] == self.eos else None
 
@@ -168,7 +178,7 @@ class RunTrace:
             if extendable:
                 base = max(extendable, key=lambda t: len(t.messages))
                 new = [template_message(m) for m in request.messages[len(base.messages):]]
-                context = self.format.continuation(new, self._after(base.tokens))
+                context = self._render(self.format.continuation, new, self._after(base.tokens))
                 prompt = base.full + context
                 plan = PromptPlan(prompt, self._budget(prompt, len(base.tokens) + len(context),
                                                        request.sampling.max_tokens),
@@ -190,12 +200,13 @@ class RunTrace:
             if ends and (best is None or max(ends) > best[0]):
                 best = (max(ends), t)
         if best is None:
-            return self.format.prompt([template_message(m) for m in request.messages], request.tools), {}
+            messages = [template_message(m) for m in request.messages]
+            return self._render(self.format.prompt, messages, request.tools), {}
         turn, source = best
         reused = source.full[:source.served[turn]]
         rest = [template_message(m) for m in request.messages[turn + 1:]]
         served = {i: end for i, end in source.served.items() if i <= turn}
-        return reused + self.format.continuation(rest, self._after(reused)), served
+        return reused + self._render(self.format.continuation, rest, self._after(reused)), served
 
     def prepare_completion(self, prompt: str | list[int], max_tokens: int | None) -> PromptPlan:
         with self.lock, self._counting_refusals():
@@ -215,6 +226,10 @@ class RunTrace:
                 ids = list(self.format.tokenizer(prompt)["input_ids"])
                 return PromptPlan(ids, self._budget(ids, 0, max_tokens), text=prompt)
             ids = [int(t) for t in prompt]
+            vocab = len(self.format.tokenizer)
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise WireError(f"prompt token ids must be in [0, {vocab}) (the tokenizer's vocabulary)",
+                                param="prompt")
             holders = [t for t in self.trajectories if t.ids_prompt and not t.busy and ids[:len(t.full)] == t.full]
             if holders:
                 base = max(holders, key=lambda t: len(t.full))

@@ -108,8 +108,10 @@ class _Queued:
 
 
 class AgentEndpoint:
-    def __init__(self, settings: EndpointConfig, tokenizer: Any, model_name: str, seed: int = 0) -> None:
+    def __init__(self, settings: EndpointConfig, tokenizer: Any, model_name: str, max_model_len: int,
+                 seed: int = 0) -> None:
         self.settings, self.tokenizer, self.model_name = settings, tokenizer, model_name
+        self.max_model_len = max_model_len  # the engine's context: every row of a call must fit it
         self.token = secrets.token_urlsafe(24)  # the per-run bearer token
         self.backend: Backend | None = None  # set while a generation phase is open
         self.failure: BaseException | None = None  # the first generate call that failed
@@ -377,7 +379,7 @@ class AgentEndpoint:
         for q in live:
             groups.setdefault(q.key, []).append(q)
         loop = asyncio.get_running_loop()
-        for members in groups.values():
+        for members in (call for group in groups.values() for call in fitting_calls(group, self.max_model_len)):
             backend = self.backend
             if backend is None or self.failure is not None:
                 why = "no generation phase is open" if self.failure is None else "generation failed earlier"
@@ -401,6 +403,19 @@ class AgentEndpoint:
             self.rows += len(members)
             for q, generated in zip(members, rows_of(out, version, [q.max_new_tokens for q in members])):
                 _settle(q, generated)
+
+
+def fitting_calls(members: list[_Queued], max_model_len: int) -> list[list[_Queued]]:
+    """Rows of one sampling setting as generate calls: a call generates its longest allowance for every row, so
+    a row whose prompt leaves less room than that goes into a later call (each row fits its own allowance)."""
+    calls, left = [], list(members)
+    while left:
+        longest = max(q.max_new_tokens for q in left)
+        call = [q for q in left if len(q.prompt_ids) + longest <= max_model_len]
+        calls.append(call)
+        taken = {id(q) for q in call}
+        left = [q for q in left if id(q) not in taken]
+    return calls
 
 
 def _settle(q: _Queued, result: Any = None, error: BaseException | None = None) -> None:

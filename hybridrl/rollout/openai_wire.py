@@ -25,7 +25,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields whose only served value is the neutral one: (field, accepted values, why)
 NEUTRAL = (("frequency_penalty", (None, 0, 0.0), "penalties"), ("presence_penalty", (None, 0, 0.0), "penalties"),
            ("repetition_penalty", (None, 1, 1.0), "penalties"), ("logit_bias", (None, {}), "logit_bias"),
-           ("echo", (None, False), "echo"), ("suffix", (None, ""), "suffix"), ("top_logprobs", (None, 0), "top log-probs"),
+           ("echo", (None, False), "echo"), ("suffix", (None, ""), "suffix"),
+           ("top_logprobs", (None, 0), "top log-probs"),
            ("functions", (None, []), "legacy functions (use tools)"), ("min_p", (None, 0, 0.0), "min_p"))
 
 
