@@ -346,3 +346,24 @@ def test_timeouts_errors_and_rewards_of_agent_runs():
         assert actor.calls[-1][1].greedy != actor.calls[-2][1].greedy  # the greedy setting's runs sample greedily
     finally:
         scored.close()
+
+
+def test_group_index_and_baseline_of_agent_rows():
+    """Rows without their own groups: n per prompt and the greedy row's score repeated, exactly as before; agent
+    rows (runs split or dropped): their own groups, the baseline the mean of the greedy rows of the group."""
+    from hybridrl.algorithms.advantages import grpo_outcome
+    from hybridrl.protocol import Batch
+    from hybridrl.rollout.types import group_baseline, group_index
+
+    plain = Batch({"x": torch.zeros(6)})
+    assert group_index(plain, 3, 2).tolist() == [0, 0, 1, 1, 2, 2]
+    greedy_scores = torch.tensor([0.1, 0.7, 0.3])
+    assert torch.equal(group_baseline(greedy_scores, Batch({"x": torch.zeros(3)}), plain, 3, 2),
+                       greedy_scores.repeat_interleave(2))
+    agent_rows = Batch({"x": torch.zeros(5)}, {"group_index": [0, 0, 0, 2, 2]})  # group 1's runs were dropped
+    greedy_rows = Batch({"x": torch.zeros(4)}, {"group_index": [0, 1, 2, 2]})  # group 2's greedy run split in two
+    baseline = group_baseline(torch.tensor([0.5, 0.9, 0.2, 0.4]), greedy_rows, agent_rows, 3, 2)
+    assert baseline.tolist() == pytest.approx([0.5, 0.5, 0.5, 0.3, 0.3])
+    scores, mask = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.4]), torch.ones(5, 3)
+    advantages, _ = grpo_outcome(scores, mask, group_index(agent_rows, 3, 2), norm_by_std=False)
+    assert advantages[:, 0].tolist() == pytest.approx([0.5, -0.5, 0.0, -0.1, 0.1])
