@@ -12,6 +12,7 @@ import torch
 
 import hybridrl
 from agent_programs import SERVED
+from test_multiturn import _model_spans as spans_of_ones
 from hybridrl.config import EndpointConfig
 from hybridrl.data.dataset import PromptRow
 from hybridrl.data.loader import collate_prompts
@@ -66,17 +67,6 @@ def _runner(actor, agent: str, limits: TraceLimits) -> AgentRunner:
     return AgentRunner(agent, settings, actor.tokenizer, True, limits, "tiny")
 
 
-def _spans(mask: list[int]) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for i, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
 def test_an_agent_run_trains_on_exactly_the_served_tokens(actor, monkeypatch):
     """3 requests per run, 2 runs per row (sampling); the rows with "edit" rewrite the history before their third
     request. Every request's prompt ids are what the engine got, its tokens what the engine returned; the
@@ -116,10 +106,10 @@ def test_an_agent_run_trains_on_exactly_the_served_tokens(actor, monkeypatch):
             assert request["token_ids"] in engine_io[tuple(request["prompt_ids"])] and request["version"] == 5
         requests = served[:2] if run["edit"] else served
         mine = [t for t in trajectories if t[0] == requests[0]["prompt_ids"]
-                and [t[1][a:b] for a, b in _spans(t[2])] == [r["token_ids"] for r in requests]]
+                and [t[1][a:b] for a, b in spans_of_ones(torch.tensor(t[2]))] == [r["token_ids"] for r in requests]]
         assert len(mine) == 1, run
         prompt, tokens, mask, log_probs, versions = mine[0]
-        spans = _spans(mask)
+        spans = spans_of_ones(torch.tensor(mask))
         for request, (start, end) in zip(requests, spans):
             assert prompt + tokens[:start] == request["prompt_ids"]  # the whole trajectory before the answer
             assert log_probs[start:end] == pytest.approx(request["log_probs"], abs=1e-6)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import importlib.util
 import inspect
 import logging
@@ -38,6 +37,7 @@ from hybridrl.config import EndpointConfig
 from hybridrl.controller.interrupts import raise_if_requested
 from hybridrl.envs.base import EnvironmentStepError
 from hybridrl.protocol import Batch
+from hybridrl.registry import resolve_dotted
 from hybridrl.rollout.agent_trace import RunTrace, TraceLimits
 from hybridrl.rollout.base import SamplingParams, assemble_batch
 from hybridrl.rollout.endpoint import AgentEndpoint, EventLoopThread
@@ -58,18 +58,9 @@ def load_agent(path: str) -> Callable:
     missing = [name for name in PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise ValueError(f"rollout.agent needs {missing} (pip install 'hybridrl[agent]')")
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"rollout.agent={path!r} is not 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"rollout.agent={path!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") \
-            from None
-    fn = getattr(module, attr, None)
+    fn = resolve_dotted(path, "rollout.agent")
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.agent={path!r}: {module_name}.{attr} is not an async function "
-                         f"(async def agent(client, row))")
+        raise ValueError(f"rollout.agent={path!r} is not an async function (async def agent(client, row))")
     return fn
 
 
@@ -151,11 +142,7 @@ class AgentRunner:
     def close(self) -> None:
         self.cancel()
         if self._loop is not None:
-            try:
-                self._loop.submit(self._slots.close()).result(timeout=10)
-            except Exception:  # noqa: BLE001 - closing after a failure must not hide it
-                logger.debug("closing the agents' HTTP client failed", exc_info=True)
-            self._loop.stop()
+            self._loop.stop(self._slots.close())
             self._loop = None
         self.endpoint.close()
 

@@ -63,9 +63,15 @@ class EventLoopThread:
         """A concurrent.futures.Future of the coroutine's result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def stop(self) -> None:
+    def stop(self, first: Coroutine | None = None) -> None:
+        """Run `first` (closing what the loop serves), cancel every task, stop the loop and its thread."""
         if self.loop.is_closed():
             return
+        if first is not None:
+            try:
+                self.submit(first).result(timeout=10)
+            except Exception:  # noqa: BLE001 - closing after a failure must not hide it
+                logger.debug("%s: closing failed", self.thread.name, exc_info=True)
 
         async def cancel_all() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -155,11 +161,7 @@ class AgentEndpoint:
 
     def close(self) -> None:
         if self._thread is not None:
-            try:
-                self._thread.submit(self._runner.cleanup()).result(timeout=10)
-            except Exception:  # noqa: BLE001 - closing after a failure must not hide it
-                logger.debug("stopping the agent endpoint's server failed", exc_info=True)
-            self._thread.stop()
+            self._thread.stop(self._runner.cleanup())
             self._thread = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

@@ -55,9 +55,8 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-class ChatRequest:
-    messages: list[dict]  # normalised (normalise_message)
-    tools: list[dict] | None
+class WireRequest:
+    """What chat and completion requests share."""
     n: int
     sampling: Sampling
     logprobs: bool
@@ -65,6 +64,12 @@ class ChatRequest:
     include_usage: bool
     return_token_ids: bool
     model: str
+
+
+@dataclass(frozen=True)
+class ChatRequest(WireRequest):
+    messages: list[dict] = field(default_factory=list)  # normalised (normalise_message)
+    tools: list[dict] | None = None
     tool_choice: Any = "auto"
 
     @property
@@ -73,15 +78,8 @@ class ChatRequest:
 
 
 @dataclass(frozen=True)
-class CompletionRequest:
-    prompts: list[str | list[int]]
-    n: int
-    sampling: Sampling
-    logprobs: bool
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-    model: str
+class CompletionRequest(WireRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -257,8 +255,9 @@ def parse_chat(body: Any, max_n: int) -> ChatRequest:
         raise WireError("messages must be a non-empty list", param="messages")
     n, sampling = _sampling(body, max_n)
     logprobs = _flag(body, "logprobs")
-    return ChatRequest([normalise_message(m, i) for i, m in enumerate(messages)], _tools(body), n, sampling,
-                       logprobs, stream, usage, token_ids, model, body.get("tool_choice", "auto"))
+    return ChatRequest(n, sampling, logprobs, stream, usage, token_ids, model,
+                       messages=[normalise_message(m, i) for i, m in enumerate(messages)], tools=_tools(body),
+                       tool_choice=body.get("tool_choice", "auto"))
 
 
 def parse_completion(body: Any, max_n: int) -> CompletionRequest:
@@ -280,7 +279,7 @@ def parse_completion(body: Any, max_n: int) -> CompletionRequest:
         raise WireError("logprobs: only 0 is served (the sampled tokens' log-probs; the engines keep no top "
                         "log-probs)", param="logprobs")
     n, sampling = _sampling({k: v for k, v in body.items() if k != "logprobs"}, max_n)
-    return CompletionRequest(prompts, n, sampling, logprobs == 0, stream, usage, token_ids, model)
+    return CompletionRequest(n, sampling, logprobs == 0, stream, usage, token_ids, model, prompts=prompts)
 
 
 # ---- what the model said ------------------------------------------------------------------------------------
