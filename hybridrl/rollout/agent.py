@@ -132,6 +132,8 @@ class AgentRunner:
             logger.warning("rollout.endpoint.host=%s: the agent endpoint is reachable from other machines (the bearer "
                            "token still guards it)", self.settings.endpoint.host)
         self.endpoint.start()
+        for name in ("httpx", "openai"):  # one INFO line per request otherwise (thousands a step)
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
         self._loop = EventLoopThread("hybridrl-agents")
 
         async def setup() -> None:  # in the agents' loop: its queue belongs there
