@@ -217,11 +217,18 @@ class AgentRunner:
         return out, time.perf_counter() - start
 
     async def _one(self, row: dict, group: int, params: SamplingParams) -> RunResult:
-        import openai  # the agent extra's client, needed only with rollout.agent
-
         http = await self._slots.free.get()  # at most rollout.agent_concurrency runs at once
         trace = RunTrace(secrets.token_hex(8), self.format, self.limits)
-        base_url = self.endpoint.open_run(trace, params, greedy=params.is_greedy)
+        try:
+            base_url = self.endpoint.open_run(trace, params, greedy=params.is_greedy)
+            return await self._call_agent(trace, row, group, base_url, http)
+        finally:
+            self.endpoint.close_run(trace.run_id)
+            self._slots.free.put_nowait(http)
+
+    async def _call_agent(self, trace: RunTrace, row: dict, group: int, base_url: str, http: Any) -> RunResult:
+        import openai  # the agent extra's client, needed only with rollout.agent
+
         client = openai.AsyncOpenAI(base_url=base_url, api_key=self.endpoint.token, max_retries=0,
                                     timeout=self.settings.timeout_s, http_client=http)
         start = time.perf_counter()
@@ -238,9 +245,6 @@ class AgentRunner:
                                error=f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # noqa: BLE001 - the user's agent: counted, the run dropped or scored
             result = RunResult(trace, row, group, "error", error=f"{type(exc).__name__}: {exc}")
-        finally:
-            self.endpoint.close_run(trace.run_id)
-            self._slots.free.put_nowait(http)
         return result
 
     def _read_reward(self, result: RunResult, value: Any) -> None:
