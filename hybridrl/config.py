@@ -114,6 +114,19 @@ class VllmConfig:
 
 
 @dataclass
+class EndpointConfig:
+    """The OpenAI-compatible endpoint agent programs talk to (rollout.agent; rollout/endpoint.py)."""
+
+    host: str = "127.0.0.1"  # loopback: only programs on this machine reach it (another address: a warning)
+    port: int = 0  # 0: a free port chosen at start
+    max_request_bytes: int = 4 << 20  # a larger request body is refused (HTTP 413) before it is read
+    max_n: int = 16  # the most choices one request may ask for (`n`)
+    batch_window_ms: float = 50.0  # a run not back with a request this long after its answer is busy with tools:
+    # the queued requests go to the engine without it (at most 10 windows after the oldest)
+    sampling: str = "request"  # request: a request's temperature / top_p apply (rollout.* when absent) | config
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "auto"  # auto (vllm where the model and machine support it, else native) | native | vllm
     tp: int = 1
@@ -147,6 +160,15 @@ class RolloutConfig:
     max_turns: int = 4  # model turns per episode (max_new_tokens each)
     max_episode_tokens: Optional[int] = None  # after the prompt, turns + observations; None: 2*max_turns*max_new_tokens
     turn_discount: float = 1.0  # episode reward = sum over turns t of turn_discount**t * reward_t
+    # agent programs (rollout/agent.py): an async function agent(client, row) -> reward | dict | None that calls
+    # the policy through an openai.AsyncOpenAI client on the endpoint; rollout.n runs per prompt row, each run's
+    # requests limited by max_turns / max_new_tokens / max_episode_tokens like an episode's turns
+    agent: Optional[str] = None  # "package.module:function"
+    agent_concurrency: int = 64  # agent runs in flight at once
+    agent_timeout_s: float = 600.0  # a run still going after this long is cancelled (agent/timeouts)
+    agent_failure_reward: Optional[float] = None  # a run that raised or timed out: None drops it, a number keeps
+    # the trajectories it has with this reward
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     @property

@@ -49,3 +49,17 @@ def import_user_module(module: str, option: str = "algorithm.module") -> None:
     except ImportError as exc:
         raise ValueError(f"{option}={module!r} cannot be imported ({exc}); give an importable module path (on "
                          f"PYTHONPATH) that registers what it names") from None
+
+
+def resolve_dotted(path: str, option: str) -> Any:
+    """The object "package.module:name" (or "package.module.name") names, None when the module lacks it; a
+    ValueError naming the option when the path is malformed or the module cannot be imported."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{option}={path!r} is not 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{option}={path!r}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") \
+            from exc
+    return getattr(module, attr, None)

@@ -125,9 +125,9 @@ def test_tiny_config_plans_on_two_cpu_devices(path: Path):
     cfg = load_config(path)
     plan = plan_run(cfg)
     # grpo_multiturn: grpo on episodes; remax_async: remax with generation on a pool of its own; grpo_moe: grpo
-    # on a mixture-of-experts model
+    # on a mixture-of-experts model; grpo_agent: grpo on an agent program's runs
     algorithm = path.name.removesuffix("_tiny.yaml").removesuffix("_multiturn").removesuffix("_async")
-    algorithm = algorithm.removesuffix("_moe").removesuffix("_lora")  # grpo_lora: grpo with LoRA adapters
+    algorithm = algorithm.removesuffix("_moe").removesuffix("_lora").removesuffix("_agent")  # grpo_lora: LoRA
     assert cfg.algorithm.name == algorithm and plan.algorithm.name == algorithm
     assert plan.pools["default"] == 2 and set(plan.pools) <= {"default", "gen"}
     actor = plan.roles["actor"].layout

@@ -10,7 +10,10 @@ from hybridrl.controller import ResourcePool, WorkerError, wait_all
 from hybridrl.hybrid_engine.bridge import bridge_plan
 from hybridrl.roles.actor import Actor
 from hybridrl.roles.base import Role
-from hybridrl.rollout.types import Rollout, rollouts_from_replicas
+from hybridrl.protocol import Batch
+from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.prompts import left_pad
+from hybridrl.rollout.types import Rollout, merge_replicas, rollouts_from_replicas
 from hybridrl.workers.rollout import RolloutWorker
 
 
@@ -95,6 +98,16 @@ class RolloutReplicas(Role):
         params = [actor.sampling_params(setting) for setting in settings]
         future = self.group.generate_sequences.remote(batch, params)
         return PendingRollouts(future, params, texts, metadata, actor.tokenizer, self.version)
+
+    def generate_turn(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[Batch, int]:
+        """One generate call on token-id prompts with full sampling params (the agent endpoint's calls): the Batch
+        of rollout/base.py in prompt order, and the policy version the replicas generated it with (per token in
+        "policy_versions" when partial rollouts switched weights half-way)."""
+        pad = self.actor.tokens.pad
+        batch = Batch(dict(zip(("input_ids", "attention_mask"), left_pad(prompt_ids, pad))))
+        results = self.group.generate_sequences(batch, [params])
+        out = merge_replicas([None if r is None else (r[0], r[1][0]) for r in results], pad)
+        return out, int(out.meta.get("policy_version", self.version))
 
     def generate_many(self, prompts: Any, settings: list[dict]) -> list[Rollout]:
         return self.submit(prompts, settings).result()

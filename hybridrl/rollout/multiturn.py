@@ -57,20 +57,31 @@ class ConversationFormat:
 
     def first(self, text: str, tools: list[dict] | None = None) -> list[int]:
         """The episode's prompt; `tools` (the environment's tool specs) go to the chat template's `tools=`."""
+        return self.prompt([{"role": "user", "content": text}], tools)
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A whole conversation as a prompt (with the generation prompt); plain: the contents joined by newlines,
+        encoded like a dataset prompt."""
         if not self.chat:
-            return list(self.tokenizer(text)["input_ids"])
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tools=tools or None,
-                                                      tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+        rendered = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=True)
         return self._encode(rendered)
 
     def observation(self, text: str, role: str = "user", after_token: int | None = None) -> list[int]:
         """Tokens that follow the model's turn: the observation (as a `role` message with chat=True) and the
         next generation prompt. `after_token`: the stop token the turn ended with; when the template closes
         the turn with that same token, it is not repeated."""
+        return self.continuation([{"role": role, "content": text}], after_token)
+
+    def continuation(self, messages: list[dict], after_token: int | None = None) -> list[int]:
+        """Tokens that follow the model's turn: `messages` (chat: as the template renders them after an assistant
+        message; plain: their contents joined by newlines) and the next generation prompt. The model's turn is
+        never rendered: its tokens are the ones it generated."""
         if not self.chat:
-            return self._encode(text)
+            return self._encode("\n".join(m["content"] for m in messages))
         before = [{"role": "user", "content": "."}, {"role": "assistant", "content": _MARK}]
-        rendered = self.tokenizer.apply_chat_template(before + [{"role": role, "content": text}], tokenize=False,
+        rendered = self.tokenizer.apply_chat_template(before + list(messages), tokenize=False,
                                                       add_generation_prompt=True)
         if _MARK not in rendered:
             raise ValueError("the chat template does not render assistant messages; give episodes a template "

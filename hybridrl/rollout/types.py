@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridrl.protocol import Batch
@@ -121,3 +122,21 @@ def rollouts_from_replicas(results: list, all_params: list[SamplingParams], text
                                 [t for t in texts for _ in range(params.n)],
                                 [m for m in metadata for _ in range(params.n)], tokenizer))
     return rollouts
+
+
+def group_index(sequences: Batch, groups: int, n: int) -> torch.Tensor:
+    """[B] the prompt group of each row: the rows' own "group_index" where the rollout carries one (agent runs,
+    whose runs may split into several trajectories or be dropped), else n rows per prompt, prompt-major."""
+    own = sequences.non_tensors.get("group_index")
+    if own is not None:
+        return torch.as_tensor(np.asarray(own, dtype=np.int64))
+    return torch.arange(groups).repeat_interleave(n)
+
+
+def group_baseline(scores: torch.Tensor, source: Batch, target: Batch, groups: int, n: int) -> torch.Tensor:
+    """[len(target)] for each row of `target` (n per prompt) the mean score of `source`'s rows (one per prompt,
+    e.g. ReMax's greedy responses) of the same prompt group; 0 for a group without a source row."""
+    src, dst = group_index(source, groups, 1), group_index(target, groups, n)
+    sums = torch.zeros(groups, dtype=scores.dtype).index_add_(0, src, scores)
+    counts = torch.zeros(groups, dtype=scores.dtype).index_add_(0, src, torch.ones_like(scores))
+    return (sums / counts.clamp(min=1))[dst]

@@ -2,7 +2,8 @@
 
 One step, for every algorithm, is five named stages (RLTrainer.train_step):
   _rollout     prompts -> actor.generate_many (hybrid engine transition + rollout) [+ greedy baseline], or
-               multi-turn episodes with rollout.env (rollout/multiturn.py), or the rollout pool's replicas
+               multi-turn episodes with rollout.env (rollout/multiturn.py), or agent programs with rollout.agent
+               (rollout/agent.py, through the OpenAI-compatible endpoint), or the rollout pool's replicas
                (rollout.pool apart from the actor's; trainer.mode sync / one_step_off / async: async_rollout.py)
   _score       rewards (the episodes', rule function or reward model) [+ costs]; overlong shaping, dynamic sampling
   _evaluate    reference log-probs, old log-probs (skipped when the update is exactly on-policy), values
@@ -35,7 +36,10 @@ from hybridrl.data.loader import StatefulPromptLoader
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.peft import tokenizer_folder
+from hybridrl.rollout.agent import AgentReplicas, AgentRunner, AgentSettings, agent_metrics
+from hybridrl.rollout.agent_trace import TraceLimits
 from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner, episode_metrics
+from hybridrl.rollout.types import group_baseline, group_index
 from hybridrl.trainer.async_rollout import RolloutQueue
 from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, rng_states, save_driver_state,
                                          set_rng_states)
@@ -95,6 +99,7 @@ class RLTrainer:
         self.roles: dict[str, Any] = {}
         self.timer = StageTimer()
         self.episodes = self._episode_runner() if cfg.rollout.env else None
+        self.agents = self._agent_runner() if cfg.rollout.agent else None
         self.rollouts = None  # RolloutQueue when generation has a pool of its own
 
     def _episode_runner(self) -> EpisodeRunner:
@@ -102,6 +107,14 @@ class RLTrainer:
         limits = EpisodeLimits(r.max_turns, r.max_new_tokens, self.plan.response_length,
                                self.cfg.data.max_prompt_length, r.turn_discount)
         return EpisodeRunner(r.env, dict(r.env_kwargs), self.tokenizer, self.cfg.data.chat_template, limits)
+
+    def _agent_runner(self) -> AgentRunner:
+        r, plan = self.cfg.rollout, self.plan
+        settings = AgentSettings(r.agent_concurrency, r.agent_timeout_s, r.agent_failure_reward, plan.rollout.endpoint,
+                                 scored_elsewhere=bool(plan.reward_fn) or "reward" in plan.roles)
+        limits = TraceLimits(r.max_turns, r.max_new_tokens, plan.response_length, plan.rollout.max_model_len)
+        return AgentRunner(r.agent, settings, self.tokenizer, self.cfg.data.chat_template, limits,
+                           Path(plan.roles["actor"].model_path).name)
 
     # ---- roles -----------------------------------------------------------------------------------------
     def start_ray(self) -> None:
@@ -123,7 +136,11 @@ class RLTrainer:
         self.roles["rollout"] = start_rollout_replicas(self.cfg, plan, self.roles["actor"],
                                                        self.pools[plan.roles["rollout"].pool])
         greedy = plan.step.greedy_baseline
-        self.rollouts = RolloutQueue(self.roles["rollout"], self.loader, plan.rollout_ahead,
+        source = self.roles["rollout"]
+        if self.agents is not None:  # agent runs generate on the replicas; a restart abandons the old ones
+            self.agents.cancel()
+            source = AgentReplicas(self.agents, source)
+        self.rollouts = RolloutQueue(source, self.loader, plan.rollout_ahead,
                                      self.cfg.algorithm.max_staleness,
                                      lambda seed: [{"seed": seed}] + ([{"greedy": True, "seed": seed}] if greedy else []),
                                      self._step_seed)
@@ -144,6 +161,8 @@ class RLTrainer:
         self.roles["rollout"].sync()  # the actor's weights now, not the model folder's
 
     def close(self) -> None:
+        if self.agents is not None:  # the agent runs first: they call the roles (start() serves again)
+            self.agents.close()
         # the rollout replicas first: they may wait on the actor's weights, never the other way round
         for role in sorted(self.roles.values(), key=lambda r: r is not self.roles.get("rollout")):
             try:
@@ -178,6 +197,7 @@ class RLTrainer:
         if self.rollouts is not None:
             with self.timer("generation"):  # the trainer's wait: the replicas work ahead of it
                 prompts, seed, (out, *rest), metrics = self.rollouts.next(self.step)
+            self.timer.add("agent", out.sequences.meta.get("timing", {}).get("agent", 0.0))
             return StepData(groups=len(prompts), seed=seed, out=out, greedy=rest[0] if rest else None,
                             metrics=metrics)
         prompts = self.loader.next_batch()
@@ -191,15 +211,21 @@ class RLTrainer:
         return self.cfg.trainer.seed * 100_003 + step
 
     def _sample(self, prompts: Any, settings: list[dict]) -> list[Any]:
-        """One Rollout per sampling setting: single responses, or episodes with rollout.env."""
+        """One Rollout per sampling setting: single responses, episodes with rollout.env, or agent runs with
+        rollout.agent (their requests served by the policy after self.step updates)."""
         actor, timer = self.roles.get("rollout", self.roles["actor"]), self.timer
         with timer("generation"):
-            outs = actor.generate_many(prompts, settings) if self.episodes is None else \
-                self.episodes.run(actor, prompts, settings)
+            if self.agents is not None:
+                outs = self.agents.run(actor, prompts, settings, version=self.step)
+            elif self.episodes is not None:
+                outs = self.episodes.run(actor, prompts, settings)
+            else:
+                outs = actor.generate_many(prompts, settings)
         timing = outs[0].sequences.meta.get("timing", {})
         timer.add("transition", timing.get("transition", 0.0))
-        if "env" in timing:  # inside "generation": the environments' share of it
-            timer.add("env", timing["env"])
+        for stage in ("env", "agent"):  # inside "generation": the environments' or agents' share of it
+            if stage in timing:
+                timer.add(stage, timing[stage])
         return outs
 
     def _score(self, step: StepData) -> bool:
@@ -208,7 +234,8 @@ class RLTrainer:
         with self.timer("reward"):
             step.scores = self._rewards(step.out)
             if step.greedy is not None:
-                step.baseline = self._rewards(step.greedy).repeat_interleave(n)
+                step.baseline = group_baseline(self._rewards(step.greedy), step.greedy.sequences, step.out.sequences,
+                                               step.groups, n)
             step.costs = self._scores_of("cost", step.out) if self.plan.step.cost else None
         if not self._finite_scores(step.scores, step.baseline, step.costs):
             return False
@@ -243,7 +270,7 @@ class RLTrainer:
         token_kl = None
         if step.ref_log_probs is not None and step.old_log_probs is not None and self.plan.step.kl_mode == "reward":
             token_kl = kl_penalty(step.old_log_probs, step.ref_log_probs, self.plan.loss.kl_estimator) * mask
-        index = torch.arange(step.groups).repeat_interleave(self.cfg.rollout.n)
+        index = group_index(step.out.sequences, step.groups, self.cfg.rollout.n)
         step.result = compute_advantages(
             alg.name, step.scores, mask, kl=token_kl, kl_coef=step.kl_coef, index=index,
             baseline_scores=step.baseline, values=step.values, cost_scores=step.costs, cost_values=step.cost_values,
@@ -291,7 +318,7 @@ class RLTrainer:
             "response_length_mean": response_tokens / len(out), "prompt_length_mean": prompt_tokens / len(out),
             "tokens_per_s": (prompt_tokens + response_tokens) / max(times.get("time/step", 0.0), 1e-9),
             **({"baseline_reward_mean": float(step.baseline.mean())} if step.baseline is not None else {}),
-            **episode_metrics(out.sequences), **times})
+            **episode_metrics(out.sequences), **agent_metrics(out.sequences), **times})
         self._check_finite(metrics)
         return metrics
 

@@ -32,6 +32,7 @@ from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
 from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
+from hybridrl.rollout.agent import load_agent
 from hybridrl.trainer.config_checks import check_values
 from hybridrl.trainer.plan_lora import check_lora_experts, check_lora_generation, plan_lora
 from hybridrl.workers.policy import PolicyLossConfig
@@ -79,6 +80,7 @@ def plan_run(cfg: Any) -> RunPlan:
     _check_algorithm_options(cfg, spec, response_length)
     _check_run_options(cfg)
     _check_episodes(cfg)
+    _check_agent(cfg)
     rows = cfg.data.batch_size * cfg.rollout.n
     _check(not cfg.algorithm.mini_batch_size or rows % cfg.algorithm.mini_batch_size == 0,
            f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide data.batch_size * rollout.n = "
@@ -115,7 +117,7 @@ def _check_algorithm(cfg: Any) -> tuple[AlgorithmSpec, str, int]:
         spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
         check_correction(alg.rollout_correction, alg.rollout_correction_cap, alg.rollout_correction_level)
         loss_agg = alg.loss_agg or spec.default_loss_agg  # set by load_config; a bare config: the algorithm's
-        response_length = _episode_tokens(roll) if roll.env else roll.max_new_tokens
+        response_length = _episode_tokens(roll) if roll.env or roll.agent else roll.max_new_tokens
         check_loss_agg(loss_agg, response_length)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -133,7 +135,7 @@ def _check_algorithm_options(cfg: Any, spec: AlgorithmSpec, response_length: int
            f"algorithm.max_refill_rounds={refill} (dynamic sampling) drops prompt groups with equal rewards: it "
            f"needs rollout.n >= 2 and an algorithm without a greedy baseline or a cost (set it to 0)")
     buffer = alg.get("overlong_buffer") or 0
-    limit = "rollout.max_episode_tokens" if roll.env else "rollout.max_new_tokens"
+    limit = "rollout.max_episode_tokens" if roll.env or roll.agent else "rollout.max_new_tokens"
     _check(0 <= buffer < response_length, f"algorithm.overlong_buffer={buffer} must be in [0, {limit}="
                                           f"{response_length})")
     _check(spec.needs_cost_model or not (cfg.cost_model.model or cfg.reward.cost_fn),
@@ -203,10 +205,31 @@ def _check_episodes(cfg: Any) -> None:
            f"not even one turn fits; raise it or leave it unset")
 
 
+def _check_agent(cfg: Any) -> None:
+    """rollout.agent: an importable async function (openai / aiohttp installed), not with rollout.env; groups of
+    other sizes than rollout.n (runs that split or drop) rule out dynamic sampling."""
+    roll, alg = cfg.rollout, cfg.algorithm
+    if not roll.agent:
+        return
+    _check(not roll.env, f"rollout.agent={roll.agent!r} and rollout.env={roll.env!r} are both set: an agent program "
+                         f"or an environment makes the episodes; unset one")
+    try:
+        load_agent(roll.agent)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check(_episode_tokens(roll) >= roll.max_new_tokens,
+           f"rollout.max_episode_tokens={roll.max_episode_tokens} < rollout.max_new_tokens={roll.max_new_tokens}: "
+           f"not even one request fits; raise it or leave it unset")
+    _check(not alg.get("max_refill_rounds"),
+           f"algorithm.max_refill_rounds={alg.get('max_refill_rounds')} (dynamic sampling) keeps groups of "
+           f"rollout.n samples; agent runs that split into several trajectories or are dropped make other group "
+           f"sizes: set algorithm.max_refill_rounds=0 with rollout.agent")
+
+
 def _max_model_len(cfg: Any, response_length: int) -> int:
     """The context length: prompt + response tokens; every role's micro-batch budget must hold one sequence."""
     roll, data = cfg.rollout, cfg.data
-    what = "rollout.max_episode_tokens" if roll.env else "rollout.max_new_tokens"
+    what = "rollout.max_episode_tokens" if roll.env or roll.agent else "rollout.max_new_tokens"
     max_len = roll.max_model_len or data.max_prompt_length + response_length
     _check(max_len >= data.max_prompt_length + response_length,
            f"rollout.max_model_len={max_len} < data.max_prompt_length + {what} = "
@@ -414,7 +437,8 @@ def _check_routing_record(roll: RolloutConfig, actor_path: str) -> None:
            f"experts: unset it")
     _check(roll.engine == "native", f"{option}=true: only the native engine reports its routing; "
                                     f"rollout.engine resolved to {roll.engine}: set rollout.engine=native")
-    _check(not roll.env, f"{option}=true with multi-turn episodes (rollout.env) is not supported yet: unset one")
+    _check(not roll.env and not roll.agent, f"{option}=true with multi-turn episodes (rollout.env, rollout.agent) "
+                                            f"is not supported yet: unset one")
 
 
 def _plan_rollout_pool(cfg: Any, plan: RunPlan, roll: RolloutConfig) -> None:
@@ -479,7 +503,7 @@ def _plan_rewards(cfg: Any, plan: RunPlan) -> None:
     _check(not (cfg.reward_model.model and cfg.reward.fn),
            "both reward_model.model and reward.fn are set: score with one (unset the other)")
     if not cfg.reward_model.model:  # an environment's own rewards need no rule; one given is added to them
-        plan.reward_fn = cfg.reward.fn or (None if cfg.rollout.env else task_reward_path())
+        plan.reward_fn = cfg.reward.fn or (None if cfg.rollout.env or cfg.rollout.agent else task_reward_path())
     if plan.step.cost and not cfg.cost_model.model:
         plan.cost_fn = cfg.reward.cost_fn
     for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):

@@ -6,26 +6,20 @@ prompt row's extra columns (e.g. a reference answer) arrive as keyword arguments
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Sequence
 
 import torch
+
+from hybridrl.registry import resolve_dotted
 
 
 def load_reward_fn(path: str) -> Callable[..., float]:
     """"package.module:function" or "package.module.function" -> the function, or a clear error."""
     if not isinstance(path, str) or not path.strip():
         raise ValueError("reward.fn must be a dotted path like 'my_pkg.rewards:score'")
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"reward.fn={path!r} is not 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward.fn={path!r}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
-    fn = getattr(module, attr, None)
+    fn = resolve_dotted(path, "reward.fn")
     if not callable(fn):
-        raise ValueError(f"reward.fn={path!r}: module {module_name!r} has no function {attr!r}")
+        raise ValueError(f"reward.fn={path!r}: its module has no function of that name")
     return fn
 
 
