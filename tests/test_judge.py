@@ -133,9 +133,10 @@ def test_grpo_driven_by_the_tiny_judge_learns_the_task(ray_four_devices):
     assert sum(task[-3:]) / 3 > sum(task[:3]) / 3 + 0.15, task  # 0.10 -> 0.35 at step 16 (README)
 
 
-def test_unparsable_verdicts_are_dropped_from_the_update(ray_four_devices, judge_path, monkeypatch):
-    """A judge that parses only high verdicts, with on_parse_error=drop: the dropped samples reach the update with
-    no response tokens and no advantage, and the metrics count them."""
+def test_a_judge_on_its_own_pool_drops_unparsable_verdicts(ray_four_devices, monkeypatch):
+    """The judge on a pool of its own while generation runs one step ahead on another (trainer.mode=one_step_off:
+    batch k is judged while batch k+1 generates), parsing only verdicts 0 and 1, with on_parse_error=drop: the dropped
+    samples reach the update with no response tokens and no advantage, and the metrics count them."""
     from hybridrl import api
 
     fed = []
@@ -147,11 +148,14 @@ def test_unparsable_verdicts_are_dropped_from_the_update(ray_four_devices, judge
 
     monkeypatch.setattr(api.Actor, "update", update)
     judge = ('{name: judge, model: {kind: generative, model: "tiny:charset_judge", template: "{prompt}|{response}=", '
-             'on_parse_error: drop, parser: {pattern: "([4-9])", score_range: [4, 9]}, '
+             'on_parse_error: drop, parser: {pattern: "([01])", score_range: [0, 1]}, pool: judge, '
              'generation: {engine: native, max_new_tokens: 3}}}')
     cfg = load_config("grpo_tiny", ["trainer.steps=2", "data.batch_size=4", "rollout.max_new_tokens=8",
-                                    f"reward.sources=[{judge}]", "trainer.trackers=[]"])
-    trainer = RLTrainer(cfg, plan_run(cfg))
+                                    f"reward.sources=[{judge}]", "trainer.trackers=[]", "resources.pools={gen: 1, "
+                                    "judge: 1}", "rollout.pool=gen", "trainer.mode=one_step_off"])
+    plan = plan_run(cfg)
+    assert {plan.roles[r].pool for r in ("actor", "rollout", "reward/judge")} == {"default", "gen", "judge"}
+    trainer = RLTrainer(cfg, plan)
     try:
         trainer.start()
         history = [trainer.train_step() for _ in range(2)]
@@ -161,3 +165,4 @@ def test_unparsable_verdicts_are_dropped_from_the_update(ray_four_devices, judge
         dropped = mask.sum(-1) == 0
         assert metrics["reward/judge_dropped"] == metrics["reward/judge_parse_errors"] == float(dropped.sum()) > 0
         assert advantages[dropped].abs().sum() == 0 and math.isfinite(metrics["actor/grad_norm"])
+        assert metrics["async/staleness_max"] <= 1

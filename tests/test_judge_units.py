@@ -137,7 +137,7 @@ def _refused(overrides: list[str], match: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_opd_without_a_teacher_and_a_teacher_of_another_tokenizer_are_refused(tmp_path, rm_own_tokenizer):
+def test_opd_without_a_teacher_and_a_teacher_of_another_tokenizer_are_refused(tmp_path):
     _refused(["algorithm.name=opd"], "algorithm 'opd' distils from a teacher: set algorithm.distill.teacher")
     from hybridrl.models.tiny import create_tiny_model
 
