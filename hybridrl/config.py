@@ -315,8 +315,19 @@ class HybridRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-# the config section of each role whose name differs from it (critics share `critic:`)
-ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic"}
+# the config section of each role whose name differs from it (critics share `critic:`; the device-mapping
+# search's judge is the generative reward_model, its teacher algorithm.distill)
+ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic", "judge": "reward_model",
+                 "teacher": "algorithm.distill"}
+
+
+def role_section(cfg: Any, role: str, create: bool = False) -> Any:
+    """The config section of `role` (ROLE_SECTIONS; dotted for nested ones) in a loaded config or a plain dict
+    (create: missing dict levels are added)."""
+    node = cfg
+    for key in ROLE_SECTIONS.get(role, role).split("."):
+        node = node.setdefault(key, {}) if create and isinstance(node, dict) else node[key]
+    return node
 
 # options that moved: old key -> its new home (an old config gets a one-line pointer, not a schema error)
 MOVED_OPTIONS = {"reward.model": "reward_model.model", "reward.cost_model": "cost_model.model"}

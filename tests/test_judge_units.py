@@ -4,6 +4,7 @@ refusals (one line each, before anything starts)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,77 @@ def test_a_vllm_judge_does_not_share_processes_with_a_vllm_actor(head_dim_32_mod
     own = plan_run(load_config(None, base + JUDGE + ["reward_model.pool=judge", "resources.pools={judge: 1}"]))
     assert own.sources[0].scorer.generation.engine == "vllm"
     assert math.isfinite(own.sources[0].scorer.generation.max_model_len)
+
+
+# ---- the device-mapping search learns the judge and the teacher; the GPU recipes it wrote plan -----------------
+JUDGE_RECIPES = sorted((Path(__file__).resolve().parent.parent / "configs" / "gpu" / "judge").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def llama_shapes(tmp_path_factory) -> dict[str, str]:
+    """config.json-only folders of the Llama-2 7B / 70B shapes (the plan reads only the config)."""
+    from transformers import LlamaConfig
+
+    from hybridrl.hybrid_engine.model_shapes import LLAMA_PRESETS
+
+    root = tmp_path_factory.mktemp("llama")
+    folders = {}
+    for name in ("llama-7b", "llama-70b"):
+        LlamaConfig(**LLAMA_PRESETS[name], architectures=["LlamaForCausalLM"]).save_pretrained(str(root / name))
+        folders[name] = str(root / name)
+    return folders
+
+
+def _auto(*extra: str) -> dict:
+    import argparse
+
+    from hybridrl.automap.plan_auto import build_report
+    from hybridrl.cli.plan import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return build_report(parser.parse_args(["--auto", "--model", "llama-7b", "--gpus", "16", "--gpu", "h100",
+                                           *extra]))
+
+
+def test_plan_auto_learns_the_judge_and_the_teacher():
+    generated = _auto("--algorithm", "grpo", "--judge-model", "llama-70b", "--judge-tokens", "32", "--judge-pool")
+    forward = _auto("--algorithm", "grpo", "--judge-model", "llama-70b", "--judge-tokens", "0", "--judge-pool")
+    best = generated["best"]
+    assert generated["roles"] == ["actor", "ref", "judge"] and best["placement"]["judge"]["roles"] == ["judge"]
+    judge = best["roles"]["judge"]["parallel"]
+    assert judge["pp"] == 1 and judge["tp"] * judge["dp"] == 8  # 70B in bf16 generating on 8 H100s
+    # a generated verdict costs more than one forward over the same sequences, the judge's KV cache counted
+    assert best["estimate"]["ops"]["judge.judge"] > forward["best"]["estimate"]["ops"]["judge.judge"] > 0
+    assert best["memory"]["peak_gb_per_gpu"] <= best["memory"]["capacity_gb_per_gpu"]
+    small = _auto("--algorithm", "grpo", "--judge-model", "llama-7b", "--judge-pool")["best"]
+    assert small["estimate"]["ops"]["judge.judge"] < best["estimate"]["ops"]["judge.judge"]
+    opd = _auto("--algorithm", "opd", "--reward-model", "none", "--teacher-model", "llama-70b")
+    assert opd["roles"] == ["actor", "teacher"] and opd["best"]["estimate"]["ops"]["teacher.log_prob"] > 0
+    with pytest.raises(ValueError, match="--teacher-model"):
+        _auto("--algorithm", "opd", "--reward-model", "none")
+
+
+@pytest.mark.parametrize("path", JUDGE_RECIPES, ids=lambda p: p.name)
+def test_judge_gpu_recipes_are_what_plan_auto_writes_and_they_plan(path, llama_shapes, tmp_path):
+    import shlex
+
+    import yaml
+
+    from hybridrl.cli import main
+
+    command = next(line for line in path.read_text().splitlines() if line.startswith("# Laid out by: "))
+    args = shlex.split(command.removeprefix("# Laid out by: hybridrl "))
+    assert main([*args[:-1], str(tmp_path / "again.yaml")]) == 0
+    strip = lambda text: yaml.safe_load(text)  # noqa: E731  (the comments aside)
+    assert strip((tmp_path / "again.yaml").read_text()) == strip(path.read_text())
+    judge = "llama-70b" if "70b" in path.name else "llama-7b"
+    overrides = [f"actor.model.path={llama_shapes['llama-7b']}"]
+    overrides.append(f"algorithm.distill.teacher={llama_shapes[judge]}" if "opd" in path.name else
+                     f"reward_model.model={llama_shapes[judge]}")
+    plan = plan_run(load_config(path, overrides))
+    if "opd" in path.name:
+        assert plan.roles["teacher"].layout == plan.roles["actor"].layout and plan.step.teacher
+    else:
+        assert plan.roles["reward"].pool == "judge" and plan.sources[0].kind == "generative"
+        assert plan.roles["reward"].layout.tp * plan.roles["reward"].layout.dp == 8

@@ -20,7 +20,9 @@ from hybridrl.algorithms.step import step_needs
 from hybridrl.automap.cost import Workload
 from hybridrl.automap.hardware import cpu_calibrated, detect_gpu
 from hybridrl.automap.search import Mapper, make_problem, mapping_json, pool_name
-from hybridrl.config import ROLE_SECTIONS, ConfigError, typed
+from hybridrl.automap.judge_cost import JudgeWork
+from hybridrl.config import ConfigError, role_section, typed
+from hybridrl.data.verdicts import verdict_parser
 from hybridrl.models.tiny import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,17 @@ def _machine(devices: int, nodes: int, dtype: str):
     if dtype == "float32":
         acc = replace(acc, param_bytes=4, mixed_precision=False)
     return acc
+
+
+def _scorers(cfg: Any) -> dict:
+    """The reward model, or the generative judge (its verdict's tokens; 0: one forward), and the teacher."""
+    judge = cfg.reward_model.kind == "generative" and cfg.reward_model.model
+    reads = verdict_parser(cfg.reward_model.parser).reads if judge else None
+    return {"reward_model": None if judge else cfg.reward_model.model,
+            "judge_model": resolve_model_path(cfg.reward_model.model) if judge else None,
+            "judge_work": JudgeWork(cfg.reward_model.generation.max_new_tokens if reads == "text" else 0),
+            "teacher_model": resolve_model_path(cfg.algorithm.distill.teacher) if cfg.algorithm.distill.teacher
+            else None}
 
 
 def apply_auto_map(cfg: Any) -> dict:
@@ -51,8 +64,7 @@ def apply_auto_map(cfg: Any) -> dict:
     try:
         acc = _machine(devices, int(res.nodes), cfg.actor.model.dtype)
         prob = make_problem(actor_path, alg.name, acc, devices, work, critic_model=cfg.critic.model.path,
-                            reward_model=cfg.reward_model.model, cost_model=cfg.cost_model.model,
-                            reference=step.reference)
+                            cost_model=cfg.cost_model.model, reference=step.reference, **_scorers(cfg))
         budget = cfg.actor.max_tokens_per_micro_batch
         prob.max_micro_batch = max(1, budget // work.tokens) if budget else cfg.actor.micro_batch_size
         result = Mapper(prob, "trainer").search(top_k=3)
@@ -68,7 +80,7 @@ def apply_auto_map(cfg: Any) -> dict:
         else:
             res.pools[name] = choice.devices
         for role in choice.roles:
-            section = cfg[ROLE_SECTIONS.get(role, role)]
+            section = role_section(cfg, role)
             section.pool = name
             section.parallel.tp, section.parallel.pp, section.parallel.dp = choice.tp, choice.pp, choice.dp
             section.micro_batch_size = choice.micro_batch
