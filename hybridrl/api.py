@@ -35,7 +35,8 @@ from hybridrl.rollout.types import Rollout
 from hybridrl.workers.policy import PolicyLossConfig
 
 __all__ = [
-    "Actor", "Critic", "Judge", "JudgeScores", "MoeConfig", "OptimConfig", "ParallelConfig", "PendingRollouts", "PolicyLossConfig",
+    "Actor", "Critic", "Judge", "JudgeScores", "MoeConfig", "OptimConfig", "ParallelConfig", "PendingRollouts",
+    "PolicyLossConfig",
     "ReferencePolicy", "ResourcePool", "RewardModel", "Rollout", "RolloutConfig", "RolloutReplicas",
     "SamplingParams", "TextScoring", "VllmConfig", "check_prompts", "encode_prompts", "init_local_ray",
     "shutdown_ray",

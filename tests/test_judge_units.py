@@ -71,7 +71,7 @@ def test_a_user_parser_is_registered_by_name():
         cfg = VerdictParserConfig(name="test_pass_fail")
         parser = verdict_parser(cfg)
         assert parser.reads == "text" and parser.build(cfg)("...PASS") == 1.0 and parser.build(cfg)("?") is None
-        with pytest.raises(ValueError, match="reward_model.parser.name='nope' is unknown; registered: .*test_pass_fail"):
+        with pytest.raises(ValueError, match="parser.name='nope' is unknown; registered: .*test_pass_fail"):
             verdict_parser(VerdictParserConfig(name="nope"))
     finally:
         VERDICT_PARSERS.pop("test_pass_fail")

@@ -9,5 +9,5 @@ from hybridrl.roles.reference import ReferencePolicy
 from hybridrl.roles.replicas import PendingRollouts, RolloutReplicas, check_rollout_pool
 from hybridrl.roles.reward import RewardModel, TextScoring
 
-__all__ = ["Actor", "Critic", "Judge", "JudgeScores", "PendingRollouts", "ReferencePolicy", "RewardModel", "RolloutReplicas", "TextScoring",
-           "check_rollout_pool"]
+__all__ = ["Actor", "Critic", "Judge", "JudgeScores", "PendingRollouts", "ReferencePolicy", "RewardModel",
+           "RolloutReplicas", "TextScoring", "check_rollout_pool"]

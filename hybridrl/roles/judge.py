@@ -161,8 +161,8 @@ class Judge(Role):
                 raise ValueError(f"judge input {i} is empty (template {self.template.text!r})")
             if limit is not None and len(row) > limit:
                 raise ValueError(f"judge input {i} has {len(row)} tokens + generation.max_new_tokens="
-                                 f"{self.rollout.max_new_tokens} > generation.max_model_len={self.rollout.max_model_len}"
-                                 f"; raise reward_model.generation.max_model_len")
+                                 f"{self.rollout.max_new_tokens} > generation.max_model_len="
+                                 f"{self.rollout.max_model_len}; raise reward_model.generation.max_model_len")
         return ids
 
     # ---- scoring ----------------------------------------------------------------------------------------

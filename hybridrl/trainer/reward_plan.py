@@ -81,7 +81,8 @@ def plan_reward_sources(cfg: Any, plan: Any, max_len: int, resolve_engine: Calla
         for i, source in enumerate(cfg.reward.sources):
             where = f"reward.sources[{i}]"
             if source.fn:
-                sources.append(SourceSpec(source.name, "rule", float(source.weight), fn=_rule_fn(source.fn, f"{where}.fn"),
+                fn = _rule_fn(source.fn, f"{where}.fn")
+                sources.append(SourceSpec(source.name, "rule", float(source.weight), fn=fn,
                                           role=f"reward/{source.name}"))
             else:
                 role = f"reward/{source.name}"
