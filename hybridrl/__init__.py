@@ -24,6 +24,7 @@ _EXPORTS = {
     "ReferencePolicy": "hybridrl.roles",
     "Critic": "hybridrl.roles",
     "RewardModel": "hybridrl.roles",
+    "Judge": "hybridrl.roles",
     "RolloutReplicas": "hybridrl.roles",
     "Rollout": "hybridrl.rollout.types",
     "algorithms": "hybridrl.algorithms",

@@ -12,7 +12,8 @@
 
 Where each piece lives:
   roles/        the role objects: Actor, RolloutReplicas (generation on a pool of its own), ReferencePolicy,
-                Critic, RewardModel (+ TextScoring: how a reward model reads text)
+                Critic, RewardModel (+ TextScoring: how a reward model reads text), Judge (a generative reward
+                model: template + verdict parser), sources.py (reward sources combined with weights)
   rollout/      Rollout (what generation returns), prompt encoding, SamplingParams, the engines
   controller/   ResourcePool, WorkerGroup and @register: the single controller on Ray
   config.py     the typed settings every role takes (RolloutConfig, OptimConfig, ParallelConfig, MoeConfig);
@@ -26,14 +27,16 @@ from __future__ import annotations
 
 from hybridrl.config import MoeConfig, OptimConfig, ParallelConfig, RolloutConfig, VllmConfig
 from hybridrl.controller import ResourcePool, init_local_ray, shutdown_ray
-from hybridrl.roles import Actor, Critic, PendingRollouts, ReferencePolicy, RewardModel, RolloutReplicas, TextScoring
+from hybridrl.roles import (Actor, Critic, Judge, JudgeScores, PendingRollouts, ReferencePolicy, RewardModel,
+                            RolloutReplicas, TextScoring)
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.prompts import check_prompts, encode_prompts
 from hybridrl.rollout.types import Rollout
 from hybridrl.workers.policy import PolicyLossConfig
 
 __all__ = [
-    "Actor", "Critic", "MoeConfig", "OptimConfig", "ParallelConfig", "PendingRollouts", "PolicyLossConfig",
+    "Actor", "Critic", "Judge", "JudgeScores", "MoeConfig", "OptimConfig", "ParallelConfig", "PendingRollouts",
+    "PolicyLossConfig",
     "ReferencePolicy", "ResourcePool", "RewardModel", "Rollout", "RolloutConfig", "RolloutReplicas",
     "SamplingParams", "TextScoring", "VllmConfig", "check_prompts", "encode_prompts", "init_local_ray",
     "shutdown_ray",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -190,6 +190,22 @@ class KLConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (algorithm.distill): a teacher's per-token log-probs of the student's own samples
+    give each token the advantage -coef * (log pi_student - log pi_teacher), added to the algorithm's."""
+
+    teacher: Optional[str] = None  # the teacher model (a folder or tiny:<name>); None: no distillation
+    coef: float = 1.0
+    mode: str = "reverse_kl"  # a registered distillation term (algorithms/distill.py)
+    # where the teacher runs, like the reference: the actor's pool (colocated, the pool's layout) or its own
+    pool: str = "default"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dtype: str = "float32"
+    micro_batch_size: int = 8
+    max_tokens_per_micro_batch: Optional[int] = 8192
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = "remax"  # a registered algorithm: remax | ppo | grpo | rloo | reinforce_pp | safe_rlhf | yours
     module: Optional[str] = None  # a module to import first: its @register_algorithm adds algorithms by name
@@ -219,22 +235,44 @@ class AlgorithmConfig:
     cost_limit: float = 0.0  # safe_rlhf
     lagrangian_lr: float = 0.05  # safe_rlhf
     lagrangian_init: float = 1.0  # safe_rlhf
+    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation from a teacher
 
 
 @dataclass
-class RewardConfig:
-    """Rule rewards (Python functions). Reward / cost MODELS have their own sections (ScoreModelConfig)."""
+class VerdictParserConfig:
+    """How a generative judge's verdict becomes a number (reward_model.parser; data/verdicts.py)."""
 
-    fn: Optional[str] = None  # dotted path "package.module:function" (or package.module.function)
-    cost_fn: Optional[str] = None  # safe_rlhf
-    num_workers: int = 0  # rule rewards: 0 = on the driver, N = spread over N CPU Ray tasks
+    name: str = "regex"  # regex | choice_logprob | a parser registered with @register_verdict_parser
+    pattern: str = r"(-?\d+(?:\.\d+)?)"  # regex: its first group (else the whole match) is the number
+    # the verdict's scale [low, high], mapped onto [0, 1] (a number outside it is a parse error); None: as is
+    score_range: Optional[list[float]] = None
+    choices: list[str] = field(default_factory=list)  # choice_logprob: the answers, one judge token each
+    choice_values: Optional[list[float]] = None  # choice_logprob: each answer's value; None: the answers as numbers
+    module: Optional[str] = None  # a module to import first: its @register_verdict_parser adds parsers by name
+
+
+@dataclass
+class JudgeGenerationConfig:
+    """How a generative judge writes its verdict (parsers that read text; choice_logprob needs one forward)."""
+
+    engine: str = "auto"  # auto (vllm where the judge and machine support it, else native) | native | vllm
+    tp: Optional[int] = None  # generation TP, dividing the judge's parallel.tp; None: its tp
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy (the same verdict for the same input)
+    max_model_len: Optional[int] = None  # judge prompt + verdict tokens; None: (prompt + response) x 2 + 64 + verdict
+    max_batch_size: int = 64  # rows decoded together per replica (native engine)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 @dataclass
 class ScoreModelConfig:
-    """A frozen scoring model (reward_model:, cost_model:): where it runs is its own choice, not ref's."""
+    """A frozen scoring model (reward_model:, cost_model:, a reward source's model:): where it runs is its own
+    choice, not ref's. kind=scalar: a *ForSequenceClassification head scores the sequence; kind=generative: a
+    causal LM judge reads `template` filled with the prompt, the response and the row's columns, and `parser`
+    turns its verdict (generated text, or the probabilities of answer tokens) into the score."""
 
-    model: Optional[str] = None  # HF *ForSequenceClassification folder or hub id org/name[@rev]; None: rule reward
+    kind: str = "scalar"  # scalar | generative
+    model: Optional[str] = None  # an HF folder, hub id org/name[@rev] or tiny:<name>; None: no such model (rule reward)
     dtype: str = "float32"  # float32 | bfloat16
     pool: str = "default"  # resource pool name; roles on one pool colocate
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -245,6 +283,32 @@ class ScoreModelConfig:
     # the text the model was trained on, over {prompt}, {response} and row fields, e.g. "\n\nHuman: {prompt}\n\n
     # Assistant: {response}"; None: the chat template (above), else prompt + response
     format: Optional[str] = None
+    # generative judges (kind=generative)
+    template: Optional[str] = None  # Jinja ({{ prompt }}, {{ response }}, {{ row.x }}) or a format string ({prompt})
+    parser: VerdictParserConfig = field(default_factory=VerdictParserConfig)
+    on_parse_error: Union[float, str] = 0.0  # an unparsable verdict's score, or "drop": left out of the update
+    generation: JudgeGenerationConfig = field(default_factory=JudgeGenerationConfig)
+
+
+@dataclass
+class RewardSourceConfig:
+    """One reward source of reward.sources: a rule function (fn) or a model (model:, a reward model or judge)."""
+
+    name: str = ""  # the metrics' reward/<name>_mean
+    weight: float = 1.0  # the reward is the weighted sum of the sources' scores
+    fn: Optional[str] = None  # a rule function "package.module:function"
+    model: ScoreModelConfig = field(default_factory=ScoreModelConfig)
+
+
+@dataclass
+class RewardConfig:
+    """Rule rewards (Python functions). Reward / cost MODELS have their own sections (ScoreModelConfig);
+    several sources combined (rules, reward models, judges, with weights) go to `sources`."""
+
+    fn: Optional[str] = None  # dotted path "package.module:function" (or package.module.function)
+    cost_fn: Optional[str] = None  # safe_rlhf
+    num_workers: int = 0  # rule rewards: 0 = on the driver, N = spread over N CPU Ray tasks
+    sources: list[RewardSourceConfig] = field(default_factory=list)  # set: replaces reward.fn / reward_model
 
 
 @dataclass
@@ -304,8 +368,19 @@ class HybridRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-# the config section of each role whose name differs from it (critics share `critic:`)
-ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic"}
+# the config section of each role whose name differs from it (critics share `critic:`; the device-mapping
+# search's judge is the generative reward_model, its teacher algorithm.distill)
+ROLE_SECTIONS = {"reward": "reward_model", "cost": "cost_model", "cost_critic": "critic", "judge": "reward_model",
+                 "teacher": "algorithm.distill"}
+
+
+def role_section(cfg: Any, role: str, create: bool = False) -> Any:
+    """The config section of `role` (ROLE_SECTIONS; dotted for nested ones) in a loaded config or a plain dict
+    (create: missing dict levels are added)."""
+    node = cfg
+    for key in ROLE_SECTIONS.get(role, role).split("."):
+        node = node.setdefault(key, {}) if create and isinstance(node, dict) else node[key]
+    return node
 
 # options that moved: old key -> its new home (an old config gets a one-line pointer, not a schema error)
 MOVED_OPTIONS = {"reward.model": "reward_model.model", "reward.cost_model": "cost_model.model"}

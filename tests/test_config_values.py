@@ -23,6 +23,19 @@ SCORER_BAD = {  # per score-model section (reward_model, cost_model)
     "parallel.dp": 0, "parallel.sequence_parallel": "maybe", "micro_batch_size": 0,
     "max_tokens_per_micro_batch": 0, "tokenizer": "/nonexistent/tok", "chat_template": "maybe", "parallel.ep": 0,
     "parallel.expert_tp": 0, "format": "'Human: {prompt}'", "parallel.fsdp": "zero3",
+    # generative judges (kind=generative)
+    "kind": "weird", "template": "''", "parser.name": "nope", "parser.pattern": "'(unclosed'",
+    "parser.score_range": "[5, 1]", "parser.choices": "[a]", "parser.choice_values": "[.nan, 1]",
+    "parser.module": "no_such_module_xyz", "on_parse_error": "weird", "generation.engine": "sglang",
+    "generation.tp": 0, "generation.max_new_tokens": 0, "generation.temperature": -1, "generation.max_model_len": 0,
+    "generation.max_batch_size": 0, "generation.vllm.dtype": "int8", "generation.vllm.kv_cache_memory_bytes": 0,
+    "generation.vllm.gpu_memory_utilization": 1.5, "generation.vllm.enable_prefix_caching": "maybe",
+    "generation.vllm.enable_sleep_mode": "maybe",
+}
+DISTILL_BAD = {  # algorithm.distill: the teacher and where it runs
+    "teacher": "/nonexistent/teacher", "coef": -1, "mode": "weird", "pool": "''", "dtype": "int8",
+    "parallel.tp": 0, "parallel.pp": 0, "parallel.dp": 0, "parallel.sequence_parallel": "maybe", "parallel.ep": 0,
+    "parallel.expert_tp": 0, "micro_batch_size": 0, "max_tokens_per_micro_batch": 0,
 }
 BAD = {
     "algorithm.name": "nope", "algorithm.module": "no_such_module_xyz", "algorithm.gamma": 1.5,
@@ -34,6 +47,7 @@ BAD = {
     "algorithm.overlong_buffer": -1, "algorithm.overlong_penalty": -1, "algorithm.loss_agg": "weird",
     "algorithm.rollout_correction_cap": 0.5, "algorithm.rollout_correction_level": "weird",
     "algorithm.cost_limit": "inf", "algorithm.lagrangian_lr": 0, "algorithm.lagrangian_init": -1, "algorithm.max_staleness": -1,
+    **{f"algorithm.distill.{key}": value for key, value in DISTILL_BAD.items()},
     **{f"{role}.{key}": value for role in ("actor", "ref", "critic") for key, value in ROLE_BAD.items()},
     "rollout.engine": "sglang", "rollout.tp": 0, "rollout.ep": 0, "rollout.pp": 2, "rollout.n": 0, "rollout.temperature": -1,
     "rollout.top_p": 1.5, "rollout.top_k": -2, "rollout.max_new_tokens": 0, "rollout.ignore_eos": "maybe",
@@ -48,7 +62,7 @@ BAD = {
     "rollout.endpoint.max_request_bytes": 10, "rollout.endpoint.max_n": 0, "rollout.endpoint.batch_window_ms": -1,
     "rollout.endpoint.sampling": "weird",
     "reward.fn": "no_such_module_xyz:score", "reward.cost_fn": "no_such_module_xyz:cost",
-    "reward.num_workers": -1,
+    "reward.num_workers": -1, "reward.sources": "[{name: ''}]",
     **{f"{section}.{key}": value for section in ("reward_model", "cost_model") for key, value in SCORER_BAD.items()},
     "data.train_files": "[/nonexistent.jsonl]", "data.prompt_key": "''", "data.chat_template": "maybe",
     "data.batch_size": 0, "data.max_prompt_length": 0, "data.overlong_prompts": "weird", "data.shuffle": "maybe",

@@ -106,6 +106,10 @@ def test_config_loads_against_the_schema(path: Path):
             assert key in sub_loaded, f"{prefix}{key} was dropped"
             if isinstance(value, dict):
                 check(value, sub_loaded[key], f"{prefix}{key}.")
+            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):  # reward.sources
+                assert len(sub_loaded[key]) == len(value), f"{prefix}{key} lost items"
+                for i, (item, got) in enumerate(zip(value, sub_loaded[key])):
+                    check(item, got, f"{prefix}{key}[{i}].")
             else:
                 assert sub_loaded[key] == value, f"{prefix}{key}: {sub_loaded[key]!r} != written {value!r}"
 
@@ -122,12 +126,15 @@ def test_unknown_key_is_refused(tmp_path):
 # ---- tiny CPU configs ------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", TINY_CONFIGS, ids=lambda p: p.name)
 def test_tiny_config_plans_on_two_cpu_devices(path: Path):
-    cfg = load_config(path)
+    # opd_tiny's teacher is made by scripts/make_opd_teacher.py (tests/test_opd.py makes one): here a stand-in
+    # sharing the actor's tokenizer
+    cfg = load_config(path, ["algorithm.distill.teacher=tiny:llama"] if path.name == "opd_tiny.yaml" else [])
     plan = plan_run(cfg)
     # grpo_multiturn: grpo on episodes; remax_async: remax with generation on a pool of its own; grpo_moe: grpo
-    # on a mixture-of-experts model; grpo_agent: grpo on an agent program's runs
+    # on a mixture-of-experts model; grpo_agent: grpo on an agent program's runs; grpo_judge: grpo with a generative
+    # judge; grpo_lora: grpo with LoRA adapters
     algorithm = path.name.removesuffix("_tiny.yaml").removesuffix("_multiturn").removesuffix("_async")
-    algorithm = algorithm.removesuffix("_moe").removesuffix("_lora").removesuffix("_agent")  # grpo_lora: LoRA
+    algorithm = algorithm.removesuffix("_moe").removesuffix("_lora").removesuffix("_agent").removesuffix("_judge")
     assert cfg.algorithm.name == algorithm and plan.algorithm.name == algorithm
     assert plan.pools["default"] == 2 and set(plan.pools) <= {"default", "gen"}
     actor = plan.roles["actor"].layout

@@ -29,6 +29,7 @@ class AlgorithmSpec:
     min_samples_per_prompt: int = 1  # rollout.n must be at least this (group baselines need >= 2)
     needs_cost_model: bool = False  # a cost model or cost function (cost_model.model / reward.cost_fn)
     uses_reference: bool = True  # KL to the reference policy (penalty or loss) when a KL coefficient is set
+    needs_teacher: bool = False  # distils from a teacher: algorithm.distill.teacher must be set (opd)
     default_kl_mode: str = "reward"  # algorithm.kl.mode when unset: reward (per-token penalty) | loss
     default_kl_estimator: str = "k1"  # algorithm.kl.estimator when unset: k1 | k2 | k3
     default_loss_agg: str = "token_mean"  # algorithm.loss_agg when unset (algorithms/loss_agg.py)

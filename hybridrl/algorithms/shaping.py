@@ -22,3 +22,15 @@ def informative_groups(scores: torch.Tensor, n: int) -> torch.Tensor:
     """[B / n] bool: the group's n rewards are not all equal."""
     grouped = scores.view(-1, n)
     return (grouped.max(-1).values - grouped.min(-1).values) > 0
+
+
+def fill_dropped(scores: torch.Tensor, keep: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[B] scores where each dropped sample (keep False: a judge could not parse its verdict, on_parse_error=drop)
+    takes the mean score of its group's kept samples (0 when none is kept), so it moves no group's mean; the
+    trainer then leaves it out of the update."""
+    scores = scores.float().clone()
+    for group in torch.unique(index[~keep]):
+        members = index == group
+        kept = members & keep
+        scores[members & ~keep] = scores[kept].mean() if kept.any() else 0.0
+    return scores

@@ -23,6 +23,7 @@ class StepNeeds:
     # the reference log-probs come from the actor's own model with its LoRA adapters off (no reference model built:
     # a LoRA actor whose reference is its base model); set by the run plan
     reference_from_actor: bool = False
+    teacher: bool = False  # a teacher's log-probs of the samples (on-policy distillation, algorithm.distill)
 
     @property
     def on_policy(self) -> bool:
@@ -31,9 +32,9 @@ class StepNeeds:
 
     @property
     def old_log_probs(self) -> bool:
-        """A separate pass for pi_old: off-policy updates, or a KL penalty in the reward (it needs pi_old's
-        log-probs before the advantages)."""
-        return not self.on_policy or (self.reference and self.kl_mode == "reward")
+        """A separate pass for pi_old: off-policy updates, a KL penalty in the reward or a teacher's term (they
+        need pi_old's log-probs before the advantages)."""
+        return not self.on_policy or (self.reference and self.kl_mode == "reward") or self.teacher
 
     @property
     def kl_loss(self) -> bool:
@@ -46,6 +47,8 @@ def step_needs(spec: AlgorithmSpec, alg: Any, rows_per_step: int) -> StepNeeds:
     first that algorithm.mini_batch_size divides it)."""
     kl_ever = alg.kl.coef > 0 or (alg.kl.type == "linear" and alg.kl.final_coef > 0)
     mini_batches = rows_per_step // alg.mini_batch_size if alg.mini_batch_size else 1
+    distill = getattr(alg, "distill", None)
     return StepNeeds(reference=spec.uses_reference and kl_ever, kl_mode=alg.kl.mode or spec.default_kl_mode,
                      mini_batches=mini_batches, epochs=alg.ppo_epochs, greedy_baseline=spec.needs_greedy_baseline,
-                     critic=spec.needs_critic, cost=spec.needs_cost_model)
+                     critic=spec.needs_critic, cost=spec.needs_cost_model,
+                     teacher=bool(distill is not None and distill.teacher))

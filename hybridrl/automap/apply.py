@@ -19,8 +19,10 @@ from hybridrl.algorithms.registry import get_algorithm
 from hybridrl.algorithms.step import step_needs
 from hybridrl.automap.cost import Workload
 from hybridrl.automap.hardware import cpu_calibrated, detect_gpu
+from hybridrl.automap.judge_cost import JudgeWork
 from hybridrl.automap.search import Mapper, make_problem, mapping_json, pool_name
-from hybridrl.config import ROLE_SECTIONS, ConfigError, typed
+from hybridrl.config import ConfigError, role_section, typed
+from hybridrl.data.verdicts import verdict_parser
 from hybridrl.models.hub import ModelReferenceError, resolve_model
 from hybridrl.models.lora_io import resolve_lora_config
 
@@ -47,6 +49,17 @@ def _lora_roles(cfg: Any) -> dict[str, tuple[int, list[str] | None]]:
     return out
 
 
+def _scorers(cfg: Any, reward_model: str | None) -> dict:
+    """The reward model (its resolved folder), or the generative judge (its verdict's tokens; 0: one forward), and
+    the teacher."""
+    judge = cfg.reward_model.kind == "generative" and reward_model
+    reads = verdict_parser(cfg.reward_model.parser).reads if judge else None
+    teacher = cfg.algorithm.distill.teacher
+    return {"reward_model": None if judge else reward_model, "judge_model": reward_model if judge else None,
+            "judge_work": JudgeWork(cfg.reward_model.generation.max_new_tokens if reads == "text" else 0),
+            "teacher_model": resolve_model(teacher, "algorithm.distill.teacher") if teacher else None}
+
+
 def apply_auto_map(cfg: Any) -> dict:
     """Choose and write the mapping into `cfg` (in place); returns the search report (auto_map.json)."""
     alg, roll, data, res = cfg.algorithm, cfg.rollout, cfg.data, cfg.resources
@@ -65,6 +78,7 @@ def apply_auto_map(cfg: Any) -> dict:
             ("critic_model", "critic.model.path", cfg.critic.model.path),
             ("reward_model", "reward_model.model", cfg.reward_model.model),
             ("cost_model", "cost_model.model", cfg.cost_model.model))}
+        others.update(_scorers(cfg, others.pop("reward_model")))
     except ModelReferenceError as exc:
         raise ConfigError(str(exc)) from None
     try:
@@ -86,7 +100,7 @@ def apply_auto_map(cfg: Any) -> dict:
         else:
             res.pools[name] = choice.devices
         for role in choice.roles:
-            section = cfg[ROLE_SECTIONS.get(role, role)]
+            section = role_section(cfg, role)
             section.pool = name
             section.parallel.tp, section.parallel.pp, section.parallel.dp = choice.tp, choice.pp, choice.dp
             section.micro_batch_size = choice.micro_batch

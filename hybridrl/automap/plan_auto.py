@@ -10,8 +10,9 @@ from pathlib import Path
 
 from hybridrl.automap.cost import Workload
 from hybridrl.automap.hardware import gpu
+from hybridrl.automap.judge_cost import JudgeWork
 from hybridrl.automap.search import Mapper, Mapping, make_problem, mapping_json
-from hybridrl.config import ROLE_SECTIONS
+from hybridrl.config import role_section
 
 
 def _workload(args: argparse.Namespace, spec):
@@ -36,7 +37,9 @@ def build_report(args: argparse.Namespace) -> dict:
     spec = get_algorithm(args.algorithm)
     acc = gpu(args.gpu).with_network(gpus_per_node=min(args.nodes_of, args.gpus), inter_node_gbps=args.inter_node_gbps)
     work = _workload(args, spec)
-    reward = None if args.reward_model == "none" else args.reward_model
+    reward = _reward_model(args)
+    judge = getattr(args, "judge_model", None)
+    alone = ("judge",) if getattr(args, "judge_pool", False) else ()
     rank = getattr(args, "lora_rank", 0)
     targets = [t for t in getattr(args, "lora_targets", "all").split(",") if t]
     lora = {"actor": (rank, targets), "critic": (rank, targets)} if rank else None
@@ -44,11 +47,12 @@ def build_report(args: argparse.Namespace) -> dict:
     def problem(execution_allows_pp: bool):
         return make_problem(args.model, args.algorithm, acc, args.gpus, work, critic_model=args.critic_model,
                             reward_model=reward, cost_model=reward, allow_generation_pp=execution_allows_pp,
-                            lora=lora)
+                            lora=lora, judge_model=judge, judge_work=JudgeWork(getattr(args, "judge_tokens", 32)),
+                            teacher_model=getattr(args, "teacher_model", None))
 
     prob = problem(args.rollout_pool)
     mapper = Mapper(prob, args.execution)
-    result = mapper.search(top_k=args.top, rollout_pool=args.rollout_pool)
+    result = mapper.search(top_k=args.top, rollout_pool=args.rollout_pool, alone=alone)
     best = mapping_json(result.best, prob)
     best["trainer_step_s"] = _trainer_estimate(result.best, problem(False), args.execution)
     return {
@@ -56,7 +60,8 @@ def build_report(args: argparse.Namespace) -> dict:
         "execution": {"name": result.execution.name, "description": result.execution.description},
         "workload": {"prompts": work.prompts, "samples_per_prompt": work.samples, "prompt_len": work.prompt_len,
                      "response_len": work.response_len, "mini_batches": work.mini_batches, "epochs": work.epochs,
-                     "greedy_baseline": work.greedy, "old_log_prob_pass": work.old_log_probs},
+                     "greedy_baseline": work.greedy, "old_log_prob_pass": work.old_log_probs,
+                     **({"judge_verdict_tokens": prob.judge.verdict_tokens} if judge else {})},
         "roles": list(prob.roles),
         "lora": {"rank": rank, "target_modules": targets, "adapter_share": prob.adapters.get("actor"),
                  "reference": "the actor with its adapters off" if prob.reference_from_actor else None}
@@ -67,6 +72,14 @@ def build_report(args: argparse.Namespace) -> dict:
                        "top": [mapping_json(m, prob) for m in result.top]},
         "note": "modelled estimates (hybridrl/automap/cost.py), not measurements",
     }
+
+
+def _reward_model(args: argparse.Namespace) -> str | None:
+    """--reward-model: none -> no device; unset -> the actor's size, or none when a judge scores instead."""
+    given = args.reward_model
+    if given is None:
+        return None if getattr(args, "judge_model", None) else "same"
+    return None if given == "none" else given
 
 
 def _trainer_estimate(mapping: Mapping, prob, execution: str) -> float | None:
@@ -83,7 +96,8 @@ def _trainer_estimate(mapping: Mapping, prob, execution: str) -> float | None:
     return round(again.step_s, 4) if again else None
 
 
-def config_from_report(report: dict, model: str, nodes_of: int, reward_model: str = "same") -> dict:
+def config_from_report(report: dict, model: str, nodes_of: int, reward_model: str | None = "same",
+                       judge_model: str | None = None, teacher_model: str | None = None) -> dict:
     """A hybridrl train config (config.py's schema) that runs the best mapping; refuses what it cannot express."""
     best = report["best"]
     if not best["runnable"]:
@@ -115,13 +129,19 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
     if pools:
         cfg["resources"]["pools"] = pools
     for role, info in roles.items():
-        section = cfg.setdefault(ROLE_SECTIONS.get(role, role), {})
+        section = role_section(cfg, role, create=True)
         par = info["parallel"]
         section.update(pool=info["pool"], parallel={"tp": par["tp"], "pp": par["pp"], "dp": par["dp"]},
                        micro_batch_size=info["micro_batch_size"],
                        max_tokens_per_micro_batch=info["micro_batch_size"] * tokens)
         if role in ("reward", "cost"):
             section.update(model=_config_model(reward_model, f"/path/to/{role}-model"), dtype="bfloat16")
+        elif role == "judge":  # it reads the template around each sequence, then writes its verdict
+            verdict = work.get("judge_verdict_tokens", 32)
+            section.update(_judge_section(judge_model, verdict), max_tokens_per_micro_batch=info["micro_batch_size"]
+                           * (JudgeWork().prompt_len(tokens) + verdict))
+        elif role == "teacher":
+            section.update(teacher=_config_model(teacher_model, "/path/to/teacher-model"), dtype="bfloat16")
         elif role in ("actor", "ref", "critic"):
             section["model"] = {"dtype": "bfloat16",
                                 **({"path": _config_model(model, f"/path/to/{model}")} if role == "actor" else {})}
@@ -136,22 +156,36 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
     return cfg
 
 
-def _config_model(model: str, placeholder: str) -> str:
+def _config_model(model: str | None, placeholder: str) -> str:
     """How the written config names a model: a local folder by its absolute path, a hub id or tiny:<name> as
     given, a preset (sizes only, no weights) by a placeholder path to fill in."""
     # start-up time: hybridrl.models imports torch; this module comes with every `hybridrl` command's parser
     from hybridrl.models.hub import parse_hub_id
     from hybridrl.models.tiny import TINY_PREFIX
 
+    if model is None:
+        return placeholder
     if Path(model).is_dir():
         return str(Path(model).resolve())
     return model if parse_hub_id(model) or model.startswith(TINY_PREFIX) else placeholder
 
 
-def write_config(report: dict, model: str, nodes_of: int, path: str | Path, reward_model: str = "same") -> Path:
+def _judge_section(judge_model: str | None, verdict_tokens: int) -> dict:
+    """A generative reward_model section: the judge, a template to write, a parser for its verdict's tokens."""
+    parser = {"name": "regex", "pattern": "Score: ([0-9]+)", "score_range": [0, 10]} if verdict_tokens else \
+        {"name": "choice_logprob", "choices": ["Yes", "No"], "choice_values": [1, 0]}
+    return {"kind": "generative", "model": _config_model(judge_model, "/path/to/judge-model"),
+            "dtype": "bfloat16", "template": "Rate the answer from 0 to 10.\nQuestion: {prompt}\nAnswer: {response}\n"
+            + ("Reply 'Score: N'." if verdict_tokens else "Is the answer correct? Reply Yes or No."),
+            "parser": parser, "on_parse_error": 0.0,
+            "generation": {"engine": "auto", "max_new_tokens": max(verdict_tokens, 1)}}
+
+
+def write_config(report: dict, model: str, nodes_of: int, path: str | Path, reward_model: str | None = "same",
+                 judge_model: str | None = None, teacher_model: str | None = None) -> Path:
     import yaml
 
-    cfg = config_from_report(report, model, nodes_of, reward_model)
+    cfg = config_from_report(report, model, nodes_of, reward_model, judge_model, teacher_model)
     best = report["best"]
     header = [f"# Written by `hybridrl plan --auto` for {report['algorithm']} on {report['model']}, "
               f"{report['gpus']} x {report['gpu'].split(':')[0]}.",

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hybridrl.automap.cost import (LM_ROLES, ModelStats, Net, Workload, activation_bytes, forward_bytes,
-                                   forward_time, generation_buffer_bytes, generation_time, static_bytes,
-                                   update_time)
+from hybridrl.automap.cost import (LM_ROLES, ModelStats, Net, Workload, activation_bytes, forward_bytes, forward_time,
+                                   generation_buffer_bytes, generation_time, static_bytes, update_time)
 from hybridrl.automap.hardware import Accelerator
+from hybridrl.automap.judge_cost import JudgeWork, judge_cost
 from hybridrl.hybrid_engine.cost_model import Hardware, transition_time
 from hybridrl.hybrid_engine.model_shapes import ModelShapes
 from hybridrl.hybrid_engine.plan import HybridEnginePlan
@@ -24,6 +24,7 @@ from hybridrl.parallel.layout import ParallelLayout, divisors
 GEN, PREP, TRAIN = 0, 1, 2
 STAGES = ("generation", "preparation", "training")
 TRAINED = ("actor", "critic", "cost_critic")
+LM = LM_ROLES + ("judge", "teacher")  # every role whose model ends in the LM head
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -37,8 +38,10 @@ def stage_ops(roles: tuple[str, ...], work: Workload, reference_from_actor: bool
     if reference_from_actor:
         ops.append((PREP, "actor", "ref_log_prob"))
     for role in roles:
-        if role == "ref":
+        if role in ("ref", "teacher"):
             ops.append((PREP, role, "log_prob"))
+        elif role == "judge":
+            ops.append((PREP, role, "judge"))
         elif role in ("critic", "cost_critic"):
             ops += [(PREP, role, "values"), (TRAIN, role, "update")]
         elif role in ("reward", "cost"):
@@ -60,6 +63,7 @@ class Problem:
     max_micro_batch: int | None = None  # largest micro-batch (sequences) to consider
     adapters: dict[str, float] = field(default_factory=dict)  # LoRA roles: adapter share of the parameters
     reference_from_actor: bool = False  # a LoRA actor is its own reference (no "ref" role)
+    judge: JudgeWork | None = None  # a generative judge scores the responses (the "judge" role)
     simulations: int = 0
     oom_excluded: int = 0
     _transitions: dict = field(default_factory=dict)
@@ -132,8 +136,8 @@ def best_pool(prob: Problem, roles: tuple[str, ...], devices: int, per_node: int
             if any(r in TRAINED and (work.sequences % d or work.sequences // d < work.mini_batches) for r in roles):
                 continue
             prob.simulations += 1
-            static = sum(static_bytes(prob.models[r], r in LM_ROLES, r in TRAINED, t, p, d, acc,
-                                      prob.adapters.get(r, 0.0)) for r in roles)
+            static = sum(static_bytes(prob.models[r], r in LM, r in TRAINED, t, p, d, acc, prob.adapters.get(r, 0.0))
+                         for r in roles)
             if static > cap:
                 prob.oom_excluded += 1
                 continue
@@ -180,22 +184,30 @@ def _micro_batches(prob: Problem, roles: tuple[str, ...], ops_here: list, t: int
             break
         prob.simulations += 1
         micro = math.ceil(math.ceil(work.sequences / (work.mini_batches * d)) / mb)
-        fwd = max((forward_bytes(prob.models[r], r in LM_ROLES, t, mb, work.tokens, acc) for r in roles), default=0.0)
+        fwd = max((forward_bytes(prob.models[r], r in LM, t, mb, work.tokens, acc) for r in roles), default=0.0)
         recompute = False
-        train = max((activation_bytes(prob.models[r], r in LM_ROLES, t, p, mb, work.tokens, min(p, micro), False, acc)
+        train = max((activation_bytes(prob.models[r], r in LM, t, p, mb, work.tokens, min(p, micro), False, acc)
                      for r in roles if r in TRAINED), default=0.0)
         if static + train > cap:
             recompute = True
-            train = max(activation_bytes(prob.models[r], r in LM_ROLES, t, p, mb, work.tokens, min(p, micro), True,
+            train = max(activation_bytes(prob.models[r], r in LM, t, p, mb, work.tokens, min(p, micro), True,
                                          acc) for r in roles if r in TRAINED)
         if static + max(fwd, train) > cap:
             prob.oom_excluded += 1
             break  # larger micro-batches need more
         stages = [0.0, 0.0, 0.0]
         ops: dict[str, float] = {}
+        peak_extra = 0.0  # the judge's generation buffer and KV cache, held while it judges
         for stage, role, op in ops_here:
-            model, lm = prob.models[role], role in LM_ROLES
-            if op == "generate":
+            model, lm = prob.models[role], role in LM
+            if op == "judge":
+                judged = judge_cost(model, prob.judge or JudgeWork(), work, t, p, d, mb, net, static, cap)
+                if judged is None:  # its KV cache does not fit beside what the pool holds
+                    prob.oom_excluded += 1
+                    return
+                seconds, judge_peak = judged
+                peak_extra = max(peak_extra, judge_peak)
+            elif op == "generate":
                 seconds = gen[2]
                 ops["actor.transition"] = gen[3]
                 stages[stage] += gen[3]
@@ -206,7 +218,7 @@ def _micro_batches(prob: Problem, roles: tuple[str, ...], ops_here: list, t: int
                 seconds = forward_time(model, lm, t, p, d, mb, count, work.tokens, net)
             ops[f"{role}.{op}"] = seconds
             stages[stage] += seconds
-        peak = max(static + fwd, static + train, gen[4] if gen else 0.0)
+        peak = max(static + fwd, static + train, gen[4] if gen else 0.0, peak_extra)
         yield PoolChoice(roles, t * p * d, per_node, t, p, d, gen[0] if gen else None, gen[1] if gen else None, mb,
                          recompute, tuple(stages), ops, static, peak)
 

@@ -28,7 +28,8 @@ from hybridrl.hybrid_engine.model_shapes import model_shapes
 from hybridrl.models.lora import adapter_numel
 
 UNITS: dict[str, tuple[str, ...]] = {"actor": ("actor",), "ref": ("ref",), "critic": ("critic", "cost_critic"),
-                                     "reward": ("reward",), "cost": ("cost",)}
+                                     "reward": ("reward",), "cost": ("cost",), "judge": ("judge",),
+                                     "teacher": ("teacher",)}
 GiB = 1 << 30
 
 
@@ -49,8 +50,10 @@ EXECUTIONS = {
 }
 
 
-def roles_for(algorithm: str, reward_model: bool = True, cost_model: bool = True, reference: bool = True) -> tuple[str, ...]:
-    """The roles with devices of one algorithm (from its registry entry); reward / cost as models or not."""
+def roles_for(algorithm: str, reward_model: bool = True, cost_model: bool = True, reference: bool = True,
+              judge: bool = False, teacher: bool = False) -> tuple[str, ...]:
+    """The roles with devices of one algorithm (from its registry entry); reward / cost as models or not; a
+    generative judge and a distillation teacher when given."""
     # start-up time: the registry imports torch (its estimators); every `hybridrl` command imports this
     # module with its parser (cli/plan.py); only `plan --auto` and resources.auto_map search
     import hybridrl.algorithms  # noqa: F401  (registers the built-in algorithms)
@@ -68,17 +71,19 @@ def roles_for(algorithm: str, reward_model: bool = True, cost_model: bool = True
         roles.append("reward")
     if spec.needs_cost_model and cost_model:
         roles.append("cost")
-    return tuple(roles)
+    return tuple(roles + ["judge"] * judge + ["teacher"] * (teacher or spec.needs_teacher))
 
 
 def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model: str | None = None,
                  reward_model: str | None = "same", cost_model: str | None = "same", reference: bool = True,
-                 allow_generation_pp: bool = False, lora: dict[str, tuple[int, list[str] | None]] | None = None
-                 ) -> Problem:
+                 allow_generation_pp: bool = False, lora: dict[str, tuple[int, list[str] | None]] | None = None,
+                 judge_model: str | None = None, judge_work=None, teacher_model: str | None = None) -> Problem:
     """The search's input. model: a preset or HF folder (the actor and reference); critic_model: the critics'
     (None: the actor's); reward_model / cost_model: "same" (the actor's size), None (a rule function: no
     devices) or another preset / folder; lora: {role: (rank, target_modules)} of the LoRA roles (actor, critic):
-    their adapters' share of the parameters is trained, and a LoRA actor is its own reference."""
+    their adapters' share of the parameters is trained, and a LoRA actor is its own reference; judge_model: a
+    generative judge (preset / folder, "same"; its automap.judge_cost.JudgeWork in judge_work); teacher_model: an
+    on-policy distillation teacher."""
     shapes = model_shapes(model)
     actor = ModelStats.from_shapes(shapes)
     lora = lora or {}
@@ -89,9 +94,12 @@ def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model:
         return actor if name in (None, "same", model) else ModelStats.from_shapes(model_shapes(name))
 
     roles = roles_for(algorithm, reward_model=reward_model is not None, cost_model=cost_model is not None,
-                      reference=reference)
+                      reference=reference, judge=judge_model is not None, teacher=teacher_model is not None)
+    if "teacher" in roles and teacher_model is None:
+        raise ValueError(f"algorithm {algorithm!r} distils from a teacher: give its model (--teacher-model)")
     models = {"actor": actor, "ref": actor, "critic": stats(critic_model), "cost_critic": stats(critic_model),
-              "reward": stats(reward_model), "cost": stats(cost_model)}
+              "reward": stats(reward_model), "cost": stats(cost_model), "judge": stats(judge_model),
+              "teacher": stats(teacher_model)}
     adapters = {}
     for role, (rank, targets) in lora.items():
         role_shapes = shapes if role == "actor" or critic_model in (None, "same", model) else model_shapes(critic_model)
@@ -100,7 +108,7 @@ def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model:
         if role == "critic":
             adapters["cost_critic"] = adapters[role]
     return Problem({r: models[r] for r in roles}, shapes, roles, work, acc, gpus, allow_generation_pp,
-                   adapters=adapters, reference_from_actor=from_actor)
+                   adapters=adapters, reference_from_actor=from_actor, judge=judge_work)
 
 
 def set_partitions(items: list[str]) -> Iterator[list[list[str]]]:
@@ -234,7 +242,8 @@ class Mapper:
             for rest in self._allocations(blocks[1:], generates[1:], left - size):
                 yield [choice] + rest
 
-    def search(self, top_k: int = 5, rollout_pool: bool = False) -> SearchResult:
+    def search(self, top_k: int = 5, rollout_pool: bool = False, alone: tuple[str, ...] = ()) -> SearchResult:
+        """The fastest mappings; `alone`: units that must have a pool of their own (e.g. the judge, served apart)."""
         start = time.perf_counter()
         prob = self.prob
         units = [u for u, members in UNITS.items() if members[0] in prob.roles]
@@ -243,6 +252,8 @@ class Mapper:
         placements = 0
         counter = itertools.count()
         for partition in set_partitions(units):
+            if any(unit in units and [unit] not in partition for unit in alone):
+                continue
             partition.sort(key=lambda block: "actor" not in block)  # the actor's pool first
             blocks = [tuple(r for u in block for r in UNITS[u] if r in prob.roles) for block in partition]
             variants = [(blocks, [True] * len(blocks))]

@@ -67,8 +67,14 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--mini-batches", type=int, default=8, help="optimizer steps per epoch (HybridFlow: 8)")
     group.add_argument("--epochs", type=int, default=1)
     group.add_argument("--critic-model", help="preset or HF folder of the critic(s) (default: the actor's)")
-    group.add_argument("--reward-model", default="same",
-                       help="same (the actor's size, default), none (a rule reward: no devices), or a preset / folder")
+    group.add_argument("--reward-model", default=None,
+                       help="same (the actor's size; the default without --judge-model), none (a rule reward: no "
+                            "devices), or a preset / folder")
+    group.add_argument("--judge-model", help="a generative judge (preset / folder) scoring the responses")
+    group.add_argument("--judge-tokens", type=int, default=32,
+                       help="tokens of the judge's verdict (0: choice_logprob, one forward)")
+    group.add_argument("--judge-pool", action="store_true", help="the judge on a pool of its own")
+    group.add_argument("--teacher-model", help="an on-policy distillation teacher (preset / folder; opd needs one)")
     group.add_argument("--execution", choices=sorted(EXECUTIONS), default="hybridflow",
                        help="hybridflow: pools are whole nodes and run a stage in parallel (the paper's d_cost); "
                             "trainer: what `hybridrl train` runs today (calls in sequence, pools spread over nodes)")
@@ -183,7 +189,7 @@ def _resolved(args: argparse.Namespace) -> argparse.Namespace:
     from hybridrl.models.tiny import TINY_PREFIX
 
     resolved = argparse.Namespace(**vars(args))
-    for option in ("model", "critic_model", "reward_model"):
+    for option in ("model", "critic_model", "reward_model", "judge_model", "teacher_model"):
         ref = getattr(args, option, None)
         if ref and ref not in PRESETS and (is_hub_reference(ref) or ref.startswith(TINY_PREFIX)):
             setattr(resolved, option, resolve_model(ref, "--" + option.replace("_", "-")))
@@ -212,7 +218,8 @@ def _run_auto(args: argparse.Namespace) -> int:
         report = plan_auto.build_report(_resolved(args))
         report["model"] = args.model  # as given (a hub id, not its cache folder)
         if args.write_config:  # the config names the models as given (a hub id stays a hub id)
-            plan_auto.write_config(report, args.model, args.nodes_of, args.write_config, args.reward_model)
+            plan_auto.write_config(report, args.model, args.nodes_of, args.write_config, args.reward_model,
+                                   judge_model=args.judge_model, teacher_model=args.teacher_model)
     except (LayoutError, ValueError) as exc:
         print(f"hybridrl plan --auto: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from hybridrl.models.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
 from hybridrl.models.families import (FAMILIES, ModelFamily, UnsupportedModelError, family_for, tp_gather,
                                       tp_partition_dim, tp_shard)
 from hybridrl.models.tiny import create_tiny_model
+from hybridrl.models import made  # noqa: F401,E402  registers the made models (tiny:charset_judge, tiny:opd_teacher)
 
 __all__ = ["build_gpt_model", "named_global_parameters", "check_hf_checkpoint", "export_hf_checkpoint",
            "load_hf_weights", "CheckpointError", "load_hf_config", "load_dist_checkpoint", "save_dist_checkpoint",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -92,6 +92,18 @@ BUNDLED_MODELS = {
                   "seed": 0, "experts": 4, "topk": 2, "expert_ffn_hidden": 64},
 }
 TINY_PREFIX = "tiny:"
+# models a short run on the bundled task makes (not random weights), named like the bundled ones (tiny:<name>):
+# name -> (build(out_dir) run on first use, or None when another tool makes it; how it is made, for errors)
+MADE_MODELS: dict[str, tuple[Callable[[Path], None] | None, str]] = {}
+
+
+def register_made_model(name: str, build: Callable[[Path], None] | None, how: str) -> None:
+    MADE_MODELS[name] = (build, how)
+
+
+def made_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Where the made model `name` lives (complete once it has config.json)."""
+    return _cache_base(cache_dir) / f"made-{name}"
 
 
 def default_model_dir(cache_dir: str | Path | None = None) -> Path:
@@ -111,15 +123,16 @@ def resolve_model_path(path: str | None) -> str:
 
 def bundled_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
     """A bundled tiny model (BUNDLED_MODELS) over the bundled tokenizer, created once and reused."""
-    import os
     import shutil
     import tempfile
 
+    if name in MADE_MODELS:
+        return _made_model(name, cache_dir)
     if name not in BUNDLED_MODELS:
         raise ValueError(f"{TINY_PREFIX}{name} is not a bundled model; choose one of "
-                         f"{[TINY_PREFIX + n for n in BUNDLED_MODELS]}")
+                         f"{[TINY_PREFIX + n for n in [*BUNDLED_MODELS, *MADE_MODELS]]}")
     spec = dict(BUNDLED_MODELS[name])
-    base = Path(cache_dir or os.environ.get("HYBRIDRL_CACHE") or Path.home() / ".cache" / "hybridrl")
+    base = _cache_base(cache_dir)
     folder = "tiny-{family}-v{vocab_size}-h{hidden}-l{layers}".format(**spec) + \
         ("-e{experts}k{topk}".format(**spec) if "experts" in spec else "") + "-s{seed}".format(**spec)
     target = base / folder
@@ -137,4 +150,34 @@ def bundled_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         if not (target / "config.json").is_file():
             raise
+    return target
+
+
+def _cache_base(cache_dir: str | Path | None = None) -> Path:
+    import os
+
+    return Path(cache_dir or os.environ.get("HYBRIDRL_CACHE") or Path.home() / ".cache" / "hybridrl")
+
+
+def _made_model(name: str, cache_dir: str | Path | None) -> Path:
+    """A made model's folder, built on first use when its builder runs here (staged, then renamed: atomic)."""
+    import shutil
+    import tempfile
+
+    build, how = MADE_MODELS[name]
+    target = made_model_dir(name, cache_dir)
+    if (target / "config.json").is_file():
+        return target
+    if build is None:
+        raise ValueError(f"{TINY_PREFIX}{name} is not made yet: {how}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".made-{name}-", dir=target.parent))
+    try:
+        build(staging)
+        staging.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -70,7 +70,9 @@ def average_metrics(results: list[dict]) -> dict[str, float]:
     if not results:
         return {}
     weights = [float(r.pop("tokens", 1.0)) for r in results]
-    total = sum(weights) or 1.0
+    if not any(weights):  # no rank had a token (every sample dropped): the ranks weigh the same
+        weights = [1.0] * len(results)
+    total = sum(weights)
     return {k: sum(w * r[k] for w, r in zip(weights, results)) / total for k in results[0]}
 
 

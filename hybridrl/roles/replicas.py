@@ -8,9 +8,9 @@ from typing import Any
 from hybridrl.config import RolloutConfig
 from hybridrl.controller import ResourcePool, WorkerError, wait_all
 from hybridrl.hybrid_engine.bridge import bridge_plan
+from hybridrl.protocol import Batch
 from hybridrl.roles.actor import Actor
 from hybridrl.roles.base import Role
-from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.prompts import left_pad
 from hybridrl.rollout.types import Rollout, merge_replicas, rollouts_from_replicas

@@ -71,21 +71,7 @@ class RewardModel:
             prompts, responses = None, prompts
         if isinstance(responses, Batch):
             return self._score_ids(prompts, responses)
-        if isinstance(responses, Rollout):
-            if prompts is not None:
-                check_prompt_texts(prompt_texts_of(prompts), responses.prompt_texts)
-            prompt_texts, texts = responses.prompt_texts, responses.texts
-            metadata = metadata or responses.metadata
-        else:
-            if prompts is None:
-                raise ValueError("reward_model.score(prompts, texts): texts need their prompts")
-            texts = list(responses)
-            given = prompt_texts_of(prompts)
-            prompt_texts = repeat_per_response(given, len(texts))
-            n = len(texts) // len(given)
-            metadata = metadata if metadata is not None else getattr(prompts, "metadata", None)
-            if metadata is not None and n > 1 and len(metadata) * n == len(texts):
-                metadata = [m for m in metadata for _ in range(n)]
+        prompt_texts, texts, metadata = scored_texts(prompts, responses, metadata)
         if self.rule is not None:
             return self.rule.score(prompt_texts, texts, metadata)
         if isinstance(responses, Rollout) and self.text.reads_ids_of(responses.tokenizer):
@@ -110,6 +96,27 @@ class RewardModel:
             self.role.close()
         if self.rule is not None:
             self.rule.close()
+
+
+def scored_texts(prompts: Any, responses: Any, metadata: list[dict] | None = None
+                 ) -> tuple[list[str], list[str], list[dict] | None]:
+    """(prompt per response, response texts, row metadata per response) of what a scorer is given: the Rollout
+    (its own prompts; `prompts`, when given, must be them) or response texts with their prompts (one per response
+    or per n responses)."""
+    if isinstance(responses, Rollout):
+        if prompts is not None:
+            check_prompt_texts(prompt_texts_of(prompts), responses.prompt_texts)
+        return responses.prompt_texts, responses.texts, metadata or responses.metadata
+    if prompts is None:
+        raise ValueError("reward_model.score(prompts, texts): texts need their prompts")
+    texts = list(responses)
+    given = prompt_texts_of(prompts)
+    prompt_texts = repeat_per_response(given, len(texts))
+    n = len(texts) // len(given)
+    metadata = metadata if metadata is not None else getattr(prompts, "metadata", None)
+    if metadata is not None and n > 1 and len(metadata) * n == len(texts):
+        metadata = [m for m in metadata for _ in range(n)]
+    return prompt_texts, texts, metadata
 
 
 class TextScoring:

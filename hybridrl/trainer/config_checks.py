@@ -12,8 +12,10 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from hybridrl.algorithms.distill import check_distill_mode
 from hybridrl.algorithms.losses import KL_ESTIMATORS
 from hybridrl.config import ConfigError
+from hybridrl.data.verdicts import verdict_parser
 from hybridrl.models.hub import parse_hub_id
 from hybridrl.models.lora import TARGET_NAMES
 from hybridrl.models.tiny import TINY_PREFIX
@@ -25,6 +27,7 @@ from hybridrl.trainer.tracking import BACKENDS
 
 MODEL_ROLES = ("actor", "ref", "critic")  # sections with model / parallel / optim
 SCORE_MODELS = ("reward_model", "cost_model")
+PLACED = ("algorithm.distill",)  # other sections with parallel / pool / micro-batches: the distillation teacher
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adam", "sgd")
 RAY_ADDRESS = re.compile(r"^(auto|(ray://)?[\w.\-]+:\d+)$")
@@ -68,8 +71,30 @@ def _names(v: Any) -> bool:
     return isinstance(v, str) and v.strip() != ""
 
 
+def _pattern(v: Any) -> bool:
+    try:
+        re.compile(v)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+def _range(v: Any) -> bool:
+    return v is None or (len(v) == 2 and all(_finite(x) for x in v) and v[0] < v[1])
+
+
+def _choices(v: Any) -> bool:
+    return len(v) == 0 or (len(v) >= 2 and len(set(v)) == len(v) and all(_names(c) for c in v))
+
+
+def _parse_error_value(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip() == "drop"
+    return _finite(v)
+
+
 # (options, check, what the value must be, how to fix it); "{m}" expands over MODEL_ROLES, "{s}" over
-# SCORE_MODELS, "{r}" over both
+# SCORE_MODELS and each reward source's model (reward.sources.<i>.model), "{r}" over all of them and PLACED
 RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("algorithm.gamma", "algorithm.lam"), _unit, "must be in [0, 1]", "1.0: no discount / plain returns"),
     (("algorithm.value_clip",), _above(0), "must be > 0", "0.2 is common"),
@@ -148,6 +173,34 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("trainer.log_every",), _at_least(0), "must be >= 0", "0: no console lines"),
     (("trainer.project",), _names, "must not be empty", "hybridrl"),
     (("trainer.call_timeout_s",), _above(0), "must be > 0", "seconds one worker call may take"),
+    # generative judges and reward sources
+    (("{s}.kind",), _one_of("scalar", "generative"), "is not scalar or generative",
+     "generative: a causal LM judge with a template and a parser"),
+    (("{s}.generation.engine",), _one_of("auto", "native", "vllm"), "is not auto, native or vllm", "auto"),
+    (("{s}.generation.max_new_tokens", "{s}.generation.max_batch_size"), _at_least(1), "must be >= 1",
+     "the verdict's tokens / rows decoded together"),
+    (("{s}.generation.tp", "{s}.generation.max_model_len"), _optional(_at_least(1)), "must be >= 1",
+     "leave unset"),
+    (("{s}.generation.temperature",), lambda v: _finite(v) and v >= 0, "must be >= 0", "0: greedy verdicts"),
+    (("{s}.on_parse_error",), _parse_error_value, "is not a finite score or 'drop'",
+     "a score such as 0.0, or drop: the sample is left out of the update"),
+    (("{s}.template",), _optional(_names), "must not be empty", "the judge's prompt, e.g. '{prompt}|{response}='"),
+    (("{s}.parser.pattern",), _pattern, "is not a regular expression", r"e.g. 'Score: (\d+)'"),
+    (("{s}.parser.score_range",), _range, "must be [low, high] with low < high", "e.g. [0, 10]; unset: as is"),
+    (("{s}.parser.choices",), _choices, "must be empty or two or more different answers", "e.g. ['yes', 'no']"),
+    (("{s}.parser.choice_values",), _optional(lambda v: all(_finite(x) for x in v)), "must be numbers",
+     "one value per answer, e.g. [1, 0]"),
+    (("{s}.generation.vllm.dtype",), _optional(_one_of(*DTYPES)), f"is not one of {list(DTYPES)}",
+     "leave unset: the judge's dtype"),
+    (("{s}.generation.vllm.kv_cache_memory_bytes",), _optional(_at_least(1)), "must be >= 1", "e.g. 67108864"),
+    (("{s}.generation.vllm.gpu_memory_utilization",), lambda v: _finite(v) and 0 < v <= 1, "must be in (0, 1]",
+     "e.g. 0.5"),
+    (("reward.sources.*.weight",), _finite, "must be a finite number", "the source's weight in the reward"),
+    # on-policy distillation
+    (("algorithm.distill.teacher",), _exists, "does not exist",
+     "give the teacher's Hugging Face folder or a bundled tiny:<name>"),
+    (("algorithm.distill.coef",), lambda v: _finite(v) and v >= 0, "must be >= 0", "1.0: the plain reverse KL"),
+    (("algorithm.distill.dtype",), _one_of(*DTYPES), f"is not one of {list(DTYPES)}", "float32 on CPU"),
 ]
 
 # LoRA adapters (actor.lora, critic.lora; models/lora.py)
@@ -164,19 +217,37 @@ RULES += [
 ]
 
 
-def _expand(option: str) -> list[str]:
-    groups = {"{m}": MODEL_ROLES, "{s}": SCORE_MODELS, "{r}": MODEL_ROLES + SCORE_MODELS}
+def _expand(option: str, sources: int = 0) -> list[str]:
+    """An option pattern's options; `sources`: how many reward.sources the config lists."""
+    models = tuple(f"reward.sources.{i}.model" for i in range(sources))
+    groups = {"{m}": MODEL_ROLES, "{s}": SCORE_MODELS + models, "{r}": MODEL_ROLES + SCORE_MODELS + models + PLACED}
     for mark, sections in groups.items():
         if option.startswith(mark):
             return [section + option[len(mark):] for section in sections]
+    if "*" in option:
+        return [option.replace("*", str(i)) for i in range(sources)]
     return [option]
 
 
 def _value(cfg: Any, option: str) -> Any:
     node = cfg
     for key in option.split("."):
-        node = node[key]
+        node = node[int(key)] if key.isdigit() else node[key]
     return node
+
+
+def _check_registered_names(cfg: Any, sources: int) -> None:
+    """Names that must be registered: each judge section's verdict parser (its module imported first), the
+    distillation mode."""
+    for section in _expand("{s}", sources):
+        try:
+            verdict_parser(_value(cfg, f"{section}.parser"), f"{section}.parser")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        check_distill_mode(cfg.algorithm.distill.mode)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def checked_options() -> list[str]:
@@ -185,11 +256,13 @@ def checked_options() -> list[str]:
 
 def check_values(cfg: Any) -> None:
     """Raise ConfigError for the first option whose value cannot work."""
+    sources = len(cfg.reward.sources)
     for options, check, what, fix in RULES:
-        for option in (o for pattern in options for o in _expand(pattern)):
+        for option in (o for pattern in options for o in _expand(pattern, sources)):
             value = _value(cfg, option)
             if not check(value):
                 raise ConfigError(f"{option}={value!r}: {what} ({fix})")
+    _check_registered_names(cfg, sources)
     estimator = cfg.algorithm.kl.estimator
     if estimator is not None and estimator not in KL_ESTIMATORS:
         raise ConfigError(f"algorithm.kl.estimator={estimator!r}: is not one of {list(KL_ESTIMATORS)} (k1)")

@@ -5,9 +5,12 @@ One step, for every algorithm, is five named stages (RLTrainer.train_step):
                multi-turn episodes with rollout.env (rollout/multiturn.py), or agent programs with rollout.agent
                (rollout/agent.py, through the OpenAI-compatible endpoint), or the rollout pool's replicas
                (rollout.pool apart from the actor's; trainer.mode sync / one_step_off / async: async_rollout.py)
-  _score       rewards (the episodes', rule function or reward model) [+ costs]; overlong shaping, dynamic sampling
-  _evaluate    reference log-probs, old log-probs (skipped when the update is exactly on-policy), values
-  _advantages  the algorithm's registered estimator (algorithms/catalog/), KL as a reward penalty or a loss
+  _score       rewards (the episodes' and the reward sources': rule functions, reward models, judges; roles/sources.py)
+               [+ costs]; overlong shaping, dynamic sampling
+  _evaluate    reference log-probs, old log-probs (skipped when the update is exactly on-policy), values, a
+               distillation teacher's log-probs
+  _advantages  the algorithm's registered estimator (algorithms/catalog/), KL as a reward penalty or a loss, the
+               teacher's per-token term (algorithms/distill.py); samples a judge dropped leave the update
   _update      critic update(s) -> actor update -> KL controller / Lagrange multiplier
 then _metrics. What runs is decided by the run plan's step needs (plan.step, from the algorithm's registry
 entry), never by the algorithm's name.
@@ -24,10 +27,11 @@ from typing import Any
 import torch
 
 from hybridrl.algorithms.compute import compute_advantages
+from hybridrl.algorithms.distill import distill_advantages
 from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.lagrangian import LagrangeMultiplier
 from hybridrl.algorithms.losses import kl_penalty, masked_mean
-from hybridrl.algorithms.shaping import overlong_penalty
+from hybridrl.algorithms.shaping import fill_dropped, overlong_penalty
 from hybridrl.config import ConfigError
 from hybridrl.controller import ResourcePool, ensure_ray
 from hybridrl.controller.interrupts import Interrupted
@@ -45,7 +49,7 @@ from hybridrl.trainer.checkpoint import (CheckpointManager, load_driver_state, r
                                          set_rng_states)
 from hybridrl.trainer.dynamic_sampling import refill
 from hybridrl.trainer.plan import RunPlan
-from hybridrl.trainer.roles import start_roles, start_rollout_replicas
+from hybridrl.trainer.roles import start_reward_sources, start_roles, start_rollout_replicas
 from hybridrl.trainer.timers import StageTimer
 
 logger = logging.getLogger(__name__)
@@ -69,7 +73,9 @@ class StepData:
     scores: torch.Tensor | None = None
     baseline: torch.Tensor | None = None
     costs: torch.Tensor | None = None
+    keep: torch.Tensor | None = None  # [B] bool: False for samples a judge dropped (None: all kept)
     ref_log_probs: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None  # on-policy distillation
     old_log_probs: torch.Tensor | None = None  # None: the update is exactly on-policy
     values: torch.Tensor | None = None
     cost_values: torch.Tensor | None = None
@@ -127,6 +133,8 @@ class RLTrainer:
         self.pools = {name: ResourcePool(devices=n, nodes=self.cfg.resources.nodes, name=name)
                       for name, n in self.plan.pools.items()}
         self.roles = start_roles(self.cfg, self.plan, self.pools, self.tokenizer)
+        self.rewards = start_reward_sources(self.cfg, self.plan, self.pools)
+        self.roles.update(self.rewards.scorers)
         if "rollout" in self.plan.roles:
             self._start_rollout_pool()
 
@@ -232,10 +240,22 @@ class RLTrainer:
         """Rewards (and costs) of the responses; shaping and dynamic sampling. False: skip the step (NaN)."""
         n = self.cfg.rollout.n
         with self.timer("reward"):
-            step.scores = self._rewards(step.out)
-            if step.greedy is not None:
-                step.baseline = group_baseline(self._rewards(step.greedy), step.greedy.sequences, step.out.sequences,
-                                               step.groups, n)
+            # every source of both batches is submitted before any is waited for: judges and reward models on
+            # pools of their own score at once
+            pending = [self.rewards.submit(r) for r in (step.out, step.greedy) if r is not None]
+            sampled, *greedy = [p.result() for p in pending]
+            step.scores = self._with_episode_rewards(step.out, sampled.total)
+            step.metrics.update(sampled.metrics)
+            keep = sampled.keep
+            if greedy:  # a prompt group's baseline: its greedy rows' mean (agent runs may split into several)
+                def per_row(values: torch.Tensor) -> torch.Tensor:
+                    return group_baseline(values, step.greedy.sequences, step.out.sequences, step.groups, n)
+
+                step.baseline = per_row(self._with_episode_rewards(step.greedy, greedy[0].total))
+                if greedy[0].keep is not None:  # a dropped greedy verdict drops its group
+                    kept = per_row(greedy[0].keep.float()) == 1.0
+                    keep = keep & kept if keep is not None else kept
+            step.keep = keep if keep is not None and not bool(keep.all()) else None
             step.costs = self._scores_of("cost", step.out) if self.plan.step.cost else None
         if not self._finite_scores(step.scores, step.baseline, step.costs):
             return False
@@ -261,20 +281,34 @@ class RLTrainer:
                 step.values = roles["critic"].compute_values(out)
                 if "cost_critic" in roles:
                     step.cost_values = roles["cost_critic"].compute_values(out)
+        if "teacher" in roles:
+            with timer("teacher"):
+                step.teacher_log_probs = roles["teacher"].get_log_probs(out)
 
     def _advantages(self, step: StepData) -> None:
         """The algorithm's registered estimator on this batch (KL-penalised token rewards when the KL is a
-        reward penalty)."""
+        reward penalty), plus the distillation teacher's per-token term; dropped samples leave the update."""
         alg, mask = self.cfg.algorithm, step.out.mask
         step.kl_coef = self.kl_ctrl.value
         token_kl = None
         if step.ref_log_probs is not None and step.old_log_probs is not None and self.plan.step.kl_mode == "reward":
             token_kl = kl_penalty(step.old_log_probs, step.ref_log_probs, self.plan.loss.kl_estimator) * mask
         index = group_index(step.out.sequences, step.groups, self.cfg.rollout.n)
+        scores = step.scores if step.keep is None else fill_dropped(step.scores, step.keep, index)
         step.result = compute_advantages(
-            alg.name, step.scores, mask, kl=token_kl, kl_coef=step.kl_coef, index=index,
+            alg.name, scores, mask, kl=token_kl, kl_coef=step.kl_coef, index=index,
             baseline_scores=step.baseline, values=step.values, cost_scores=step.costs, cost_values=step.cost_values,
             lagrange_multiplier=self.lagrange.value if self.lagrange else None, gamma=alg.gamma, lam=alg.lam)
+        if self.plan.distill is not None:
+            distill = self.plan.distill
+            step.result.advantages, metrics = distill_advantages(step.result.advantages, step.old_log_probs,
+                                                                 step.teacher_log_probs, mask, distill.coef,
+                                                                 distill.mode)
+            step.metrics.update(metrics)
+        if step.keep is not None:  # no loss, no tokens counted for the samples a judge dropped
+            keep = step.keep.unsqueeze(1)
+            step.result.advantages = step.result.advantages * keep
+            step.out.sequences["response_mask"] = step.out.sequences["response_mask"] * keep
 
     def _update(self, step: StepData) -> None:
         """Critic(s), then the actor; then the KL controller and the Lagrange multiplier see this step."""
@@ -353,13 +387,14 @@ class RLTrainer:
         return out, scores, metrics
 
     def _rewards(self, rollout: Any) -> torch.Tensor:
-        """[B] rewards: an episode's (discounted turn rewards), plus the reward function's / model's if any."""
+        """[B] rewards: an episode's (discounted turn rewards), plus the reward sources' weighted sum if any."""
+        return self._with_episode_rewards(rollout, self.rewards.score(rollout).total)
+
+    @staticmethod
+    def _with_episode_rewards(rollout: Any, scored: torch.Tensor | None) -> torch.Tensor:
         episode = rollout.sequences.non_tensors.get("episode_rewards")
         scores = None if episode is None else torch.tensor(episode.astype(float), dtype=torch.float32)
-        if "reward" in self.roles:
-            scored = self._scores_of("reward", rollout)
-            scores = scored if scores is None else scores + scored
-        return scores
+        return scored if scores is None else scores if scored is None else scores + scored
 
     def _scores_of(self, role: str, rollout: Any) -> torch.Tensor:
         # the rollout carries its prompts (one per response): a reward model reuses the token ids when it

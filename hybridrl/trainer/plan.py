@@ -35,6 +35,8 @@ from hybridrl.rollout import ENGINES
 from hybridrl.rollout.agent import load_agent
 from hybridrl.trainer.config_checks import check_values
 from hybridrl.trainer.plan_lora import check_lora_experts, check_lora_generation, plan_lora
+from hybridrl.trainer.reward_plan import (default_reward_fn, plan_distill, plan_reward_sources, source_roles,
+                                          teacher_roles)
 from hybridrl.workers.policy import PolicyLossConfig
 from hybridrl.workers.rule_reward import load_reward_fn
 
@@ -61,6 +63,8 @@ class RunPlan:
     roles: dict[str, RolePlan] = field(default_factory=dict)
     reward_fn: str | None = None
     cost_fn: str | None = None
+    sources: list = field(default_factory=list)  # roles.sources.SourceSpec: the reward's sources, weighted
+    distill: Any = None  # config.DistillConfig when a teacher distils into the actor (algorithm.distill)
     response_length: int = 0  # the most tokens after a prompt: max_new_tokens, or an episode's token budget
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
     # generation batches in flight ahead of training: 0 sync, 1 one_step_off, algorithm.max_staleness async
@@ -99,6 +103,8 @@ def plan_run(cfg: Any) -> RunPlan:
     check_lora_generation(plan.lora.get("actor"), plan.rollout, plan.roles["actor"].layout, "rollout" not in plan.roles)
     _check_batch_splits(plan)
     _plan_rewards(cfg, plan)
+    plan_reward_sources(cfg, plan, max_len, _rollout_engine)
+    plan_distill(cfg, plan)
     for file in cfg.data.train_files:
         _check(Path(file).exists(), f"data.train_files: {file!r} does not exist")
     _check(cfg.trainer.resume in ("never", "auto") or Path(cfg.trainer.resume).exists(),
@@ -234,8 +240,9 @@ def _max_model_len(cfg: Any, response_length: int) -> int:
     _check(max_len >= data.max_prompt_length + response_length,
            f"rollout.max_model_len={max_len} < data.max_prompt_length + {what} = "
            f"{data.max_prompt_length + response_length}; raise it or leave it unset")
-    for role in ("actor", "ref", "critic", "reward_model", "cost_model"):
-        budget = cfg[role].max_tokens_per_micro_batch
+    for role, section in [(r, cfg[r]) for r in ("actor", "ref", "critic", "reward_model", "cost_model")] + \
+            [("algorithm.distill", cfg.algorithm.distill)]:
+        budget = section.max_tokens_per_micro_batch
         _check(budget is None or budget >= max_len,
                f"{role}.max_tokens_per_micro_batch={budget} is below the longest sequence (data.max_prompt_length + "
                f"{what} = {max_len} tokens); raise it to at least {max_len} or set it to null "
@@ -260,13 +267,22 @@ def _model_paths(cfg: Any) -> dict[str, str | None]:
             "cost": cfg.cost_model.model and _model_dir(cfg.cost_model.model, "cost_model.model")}
 
 
+def _role_sections(cfg: Any, step: StepNeeds) -> list[tuple[str, str, Any, str]]:
+    """(role, option, section, model folder) of every role with devices: the step's, the reward sources' models
+    and the distillation teacher."""
+    paths = _model_paths(cfg)
+    roles = [(role, ROLE_SECTIONS.get(role, role), cfg[ROLE_SECTIONS.get(role, role)], paths[role])
+             for role in _wanted_roles(cfg, step)]
+    for role, option, section, reference in source_roles(cfg) + teacher_roles(cfg):
+        where = "algorithm.distill.teacher" if role == "teacher" else f"{option}.model"
+        roles.append((role, option, section, _model_dir(reference, where)))
+    return roles
+
+
 def _place_roles(cfg: Any, plan: RunPlan) -> None:
     """Every role the step needs on its pool, in its layout; colocated roles share the first one's layout."""
-    paths = _model_paths(cfg)
     held: dict[str, tuple[str, ParallelLayout]] = {}  # pool -> (first role, its layout)
-    for role in _wanted_roles(cfg, plan.step):
-        option = ROLE_SECTIONS.get(role, role)
-        role_cfg = cfg[option]
+    for role, option, role_cfg, path in _role_sections(cfg, plan.step):
         _check(role_cfg.pool in plan.pools, f"{option}.pool={role_cfg.pool!r} is not a pool; define "
                                             f"resources.pools.{role_cfg.pool}=<devices> or use {sorted(plan.pools)}")
         try:
@@ -275,8 +291,8 @@ def _place_roles(cfg: Any, plan: RunPlan) -> None:
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
         held.setdefault(role_cfg.pool, (role, layout))
-        _check_model_fits(option, paths[role], layout)
-        plan.roles[role] = RolePlan(role, role_cfg.pool, layout, paths[role])
+        _check_model_fits(option, path, layout)
+        plan.roles[role] = RolePlan(role, role_cfg.pool, layout, path)
 
 
 def _model_dir(path: str | None, option: str) -> str:
@@ -502,8 +518,8 @@ def _plan_rewards(cfg: Any, plan: RunPlan) -> None:
     """The reward (and cost) functions when no model scores: importable and callable by name."""
     _check(not (cfg.reward_model.model and cfg.reward.fn),
            "both reward_model.model and reward.fn are set: score with one (unset the other)")
-    if not cfg.reward_model.model:  # an environment's own rewards need no rule; one given is added to them
-        plan.reward_fn = cfg.reward.fn or (None if cfg.rollout.env or cfg.rollout.agent else task_reward_path())
+    if not cfg.reward_model.model and not cfg.reward.sources:  # an environment's own rewards need no rule
+        plan.reward_fn = default_reward_fn(cfg)
     if plan.step.cost and not cfg.cost_model.model:
         plan.cost_fn = cfg.reward.cost_fn
     for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):
