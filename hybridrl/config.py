@@ -119,6 +119,11 @@ class RolloutConfig:
     max_turns: int = 4  # model turns per episode (max_new_tokens each)
     max_episode_tokens: Optional[int] = None  # after the prompt, turns + observations; None: 2*max_turns*max_new_tokens
     turn_discount: float = 1.0  # episode reward = sum over turns t of turn_discount**t * reward_t
+    # where tools run model-written code (hybridrl/envs/sandbox.py): auto (the strongest that starts here: bwrap,
+    # else tools are refused) | bwrap | remote (an HTTP service, tool_sandbox_url) | guard (audit hooks: mistakes
+    # only, not attackers) | none (no isolation: trusted code, or a run already inside a sandbox)
+    tool_sandbox: str = "auto"
+    tool_sandbox_url: Optional[str] = None  # tool_sandbox=remote: SandboxFusion-style POST endpoint (.../run_code)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     @property

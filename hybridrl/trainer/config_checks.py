@@ -107,6 +107,7 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("algorithm.max_staleness",), _at_least(0), "must be >= 0", "0: every sample from the current weights"),
     (("trainer.mode",), _one_of("sync", "one_step_off", "async"), "is not sync, one_step_off or async", "sync"),
     (("rollout.env",), _optional(_names), "must name an environment", "charset_turns, tool_answer or pkg.mod:Class"),
+    (("rollout.tool_sandbox",), _names, "must name a sandbox", "auto, bwrap, remote, guard or none"),
     (("rollout.max_turns",), _at_least(1), "must be >= 1", "model turns per episode"),
     (("rollout.max_episode_tokens",), _optional(_at_least(1)), "must be >= 1",
      "leave unset: 2 * max_turns * max_new_tokens"),

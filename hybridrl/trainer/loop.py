@@ -33,6 +33,7 @@ from hybridrl.controller.interrupts import Interrupted
 from hybridrl.data.dataset import prompt_dataset_from_config
 from hybridrl.data.loader import StatefulPromptLoader
 from hybridrl.data.tokenizer import tokenizer_for
+from hybridrl.envs import resolve_sandbox, set_default_sandbox
 from hybridrl.models.config import CheckpointError
 from hybridrl.rollout.multiturn import EpisodeLimits, EpisodeRunner, episode_metrics
 from hybridrl.trainer.async_rollout import RolloutQueue
@@ -100,6 +101,8 @@ class RLTrainer:
         r = self.cfg.rollout
         limits = EpisodeLimits(r.max_turns, r.max_new_tokens, self.plan.response_length,
                                self.cfg.data.max_prompt_length, r.turn_discount)
+        if self.plan.rollout.tool_sandbox != "auto":  # the plan's choice for tools that run code (envs/sandbox.py)
+            set_default_sandbox(resolve_sandbox(self.plan.rollout.tool_sandbox, r.tool_sandbox_url))
         return EpisodeRunner(r.env, dict(r.env_kwargs), self.tokenizer, self.cfg.data.chat_template, limits)
 
     # ---- roles -----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
 from hybridrl.config import ROLE_SECTIONS, ConfigError, RolloutConfig, typed
 from hybridrl.data.tasks import task_reward_path
-from hybridrl.envs import env_class
+from hybridrl.envs import SandboxUnavailable, ToolRegistry, env_class, resolve_sandbox
 from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models import load_hf_config
 from hybridrl.models.config import CheckpointError
@@ -87,7 +87,7 @@ def plan_run(cfg: Any) -> RunPlan:
                    loss=_loss(cfg, spec, loss_agg, response_length), response_length=response_length,
                    rows_per_step=rows)
     _place_roles(cfg, plan)
-    plan.rollout = _resolve_rollout(cfg, plan, max_len)
+    plan.rollout = _resolve_tool_sandbox(cfg, _resolve_rollout(cfg, plan, max_len))
     _check_batch_splits(plan)
     _plan_rewards(cfg, plan)
     for file in cfg.data.train_files:
@@ -194,6 +194,23 @@ def _check_episodes(cfg: Any) -> None:
     _check(_episode_tokens(roll) >= roll.max_new_tokens,
            f"rollout.max_episode_tokens={roll.max_episode_tokens} < rollout.max_new_tokens={roll.max_new_tokens}: "
            f"not even one turn fits; raise it or leave it unset")
+
+
+def _resolve_tool_sandbox(cfg: Any, roll: RolloutConfig) -> RolloutConfig:
+    """rollout.tool_sandbox for an environment whose tools run model-written code: the sandbox started once here
+    (auto: the strongest available), or one line saying why none can; the weak ones said out loud."""
+    tools = getattr(env_class(roll.env)(**dict(roll.env_kwargs)), "tools", None) if roll.env else None
+    if not (isinstance(tools, ToolRegistry) and tools.runs_code()):
+        return roll
+    try:
+        sandbox = resolve_sandbox(roll.tool_sandbox, roll.tool_sandbox_url)
+    except (SandboxUnavailable, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    if sandbox.name in ("guard", "none"):
+        logger.warning("rollout.tool_sandbox=%s: model-written code runs %s; it is no boundary against code that "
+                       "tries to get out (README: the tool sandbox)", sandbox.name,
+                       "under the audit-hook guard" if sandbox.name == "guard" else "without any isolation")
+    return dataclasses.replace(roll, tool_sandbox=sandbox.name)
 
 
 def _max_model_len(cfg: Any, response_length: int) -> int:
