@@ -239,6 +239,10 @@ class TrainerConfig:
     call_timeout_s: float = 900.0
     hang_timeout_s: float = 300.0  # a call without progress this long (scaled up by the step times seen) is
     # a hang: stacks dumped into the run folder, recovered like a dead worker (controller/watchdog.py); 0: off
+    # SIGTERM / SIGINT: finish the step in flight and save one more checkpoint first, when that fits into
+    # signal_grace_s (the time the scheduler leaves before its SIGKILL: Slurm's KillWait, 30 s by default)
+    save_on_signal: bool = False
+    signal_grace_s: float = 30.0
 
 
 @dataclass

@@ -202,15 +202,15 @@ def run(args: argparse.Namespace) -> int:
                              config=cfg, total_steps=cfg.trainer.steps)
     if resume_from is not None:
         print(f"resuming from {resume_from}", flush=True)
-    failure = None
+    failure, closed = None, True
     try:
         trainer.start_ray()  # Ray installs its own SIGTERM handler; ours goes on top of it
-        with stop_on_signals():
+        with stop_on_signals(_signal_deferral(cfg.trainer)):
             run_training(trainer, tracker, run_dir, resume_from)
     except BaseException as exc:  # noqa: BLE001 - known stops become one line below, the rest is re-raised
         failure = exc
     finally:
-        trainer.close()
+        closed = _close(trainer, failure)
         tracker.plot()
         tracker.close()
     if failure is None:
@@ -222,7 +222,43 @@ def run(args: argparse.Namespace) -> int:
         raise failure
     code, message = outcome
     print(f"hybridrl train: {message}", file=sys.stderr, flush=True)
+    if not closed:  # Ray is dead or would not close: its exit hooks would wait a minute for its GCS
+        sys.stdout.flush()
+        os._exit(code)
     return code
+
+
+SHUTDOWN_RESERVE_S = 10.0  # of trainer.signal_grace_s: closing the workers and writing the last line
+CLOSE_LIMIT_S = 10.0  # an interrupted run that cannot close its workers in this long abandons them
+
+
+def _signal_deferral(tr) -> float | None:
+    """With trainer.save_on_signal, how long a stop signal may wait for the step in flight and its save."""
+    return max(0.0, tr.signal_grace_s - SHUTDOWN_RESERVE_S) if tr.save_on_signal else None
+
+
+def _close(trainer, failure: BaseException | None) -> bool:
+    """Close the workers. After a stop signal, within CLOSE_LIMIT_S and only while Ray still answers (a signal
+    sent to every process of a job, as Slurm and systemd do, kills Ray's daemons too): otherwise the local
+    cluster is abandoned (its processes killed, its temp folder removed) and False is returned."""
+    # start-up time: Ray (see run)
+    import threading
+
+    from hybridrl.controller.interrupts import Interrupted
+    from hybridrl.controller.ray_cluster import abandon_local_cluster, ray_alive
+
+    if not isinstance(failure, Interrupted):
+        trainer.close()
+        return True
+    if ray_alive():
+        closing = threading.Thread(target=trainer.close, name="close-after-signal", daemon=True)
+        closing.start()
+        closing.join(CLOSE_LIMIT_S)
+        if not closing.is_alive():
+            return True
+        logger.warning("the workers did not close within %.0f s of the stop signal; killing them", CLOSE_LIMIT_S)
+    abandon_local_cluster()
+    return False
 
 
 def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | None:

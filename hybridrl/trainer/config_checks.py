@@ -122,6 +122,8 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("trainer.log_every",), _at_least(0), "must be >= 0", "0: no console lines"),
     (("trainer.project",), _names, "must not be empty", "hybridrl"),
     (("trainer.call_timeout_s",), _above(0), "must be > 0", "seconds one worker call may take"),
+    (("trainer.signal_grace_s",), _above(0), "must be > 0",
+     "seconds between the scheduler's stop signal and its SIGKILL: Slurm's KillWait, 30 by default"),
 ]
 
 
