@@ -26,6 +26,20 @@ class ConfigError(ValueError):
 class MachineError(OSError):
     """The machine refuses what a valid config asks: a folder that cannot be written, a full disk."""
 
+    @classmethod
+    def writing(cls, path: Any, exc: OSError, what: str = "") -> "MachineError":
+        """The one line for a failed write to `path`; a full disk says so in words."""
+        import errno  # only on this path
+
+        if getattr(exc, "errno", None) == errno.ENOSPC:
+            return cls(errno.ENOSPC, f"{path}: no space left on device{what}; free space or point trainer.run_dir "
+                                     f"at a larger disk, then trainer.resume=auto")
+        return cls(getattr(exc, "errno", None) or errno.EIO,
+                   f"{path}: cannot write there{what} ({exc.strerror or exc}); choose a folder you can write to")
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror else super().__str__()
+
 
 @dataclass
 class ParallelConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -64,6 +65,19 @@ def _send(proc: subprocess.Popen, sig: int, to: str) -> list:
     return tree
 
 
+def _listening(proc: subprocess.Popen) -> list[tuple[str, int, str]]:
+    """Every TCP listener of the run (driver, Ray's daemons, the workers): (address, port, process name)."""
+    tree = {p.pid: p for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]}
+    found = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in tree:
+            try:
+                found.append((conn.laddr.ip, conn.laddr.port, tree[conn.pid].name()))
+            except psutil.Error:
+                pass
+    return found
+
+
 def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
@@ -107,10 +121,17 @@ def test_signal_stops_the_run_cleanly(tmp_path, tmp_dir, sig, to):
     extra = ["trainer.save_every=1000", "trainer.save_on_signal=true"] if save_on_signal else []
     proc = _train(run_dir, env, "trainer.steps=30", *extra)
     (_wait_for_step if save_on_signal else _wait_for_checkpoint)(proc, run_dir)
+    # a one-node run listens on loopback only: the pool's rendezvous store (before: on every interface), gloo's
+    # pairs, Ray's daemons and workers
+    listening = _listening(proc)
+    assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _, _ in listening), listening
     if sig == signal.SIGINT:
         _wait_for_save_in_flight(proc, run_dir)
     tree = _send(proc, sig, to)
     out, err = proc.communicate(timeout=60)  # before: a dead GCS held the driver for 60 s, then exit 1
+    store = re.search(r"pool 'default': 2 workers in one (\S+):(\d+) process group", err)
+    assert store and store.group(1) == "127.0.0.1" and ("127.0.0.1", int(store.group(2)), "ray::WorkerHost") in [
+        (ip, port, name.split(".")[0]) for ip, port, name in listening], (store and store.group(0), listening)
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]

@@ -390,8 +390,11 @@ class RLTrainer:
             save_driver_state(tmp, self.driver_state())
         except Interrupted:  # the workers may still be writing into tmp: it is discarded once they are gone
             raise
-        except BaseException:
+        except BaseException as exc:
+            full = checkpoints.out_of_space(exc, self.step)  # judged before the partial save frees its space
             shutil.rmtree(tmp, ignore_errors=True)
+            if full is not None:
+                raise full from exc
             raise
         return checkpoints.commit(tmp, self.step)
 

@@ -25,7 +25,7 @@ from hybridrl.data.tasks import task_reward_path
 from hybridrl.envs import SandboxUnavailable, ToolRegistry, env_class, resolve_sandbox
 from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models import load_hf_config
-from hybridrl.models.config import CheckpointError
+from hybridrl.models.config import CheckpointError, hf_config_for_plan
 from hybridrl.models.families import ModelDims
 from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
@@ -278,12 +278,12 @@ def _model_dir(path: str | None, option: str) -> str:
 
 def _experts_of(path: str) -> Any:
     """The model's mixture-of-experts dimensions (None for a dense model)."""
-    return ModelDims.from_hf(load_hf_config(path)).moe
+    return ModelDims.from_hf(hf_config_for_plan(path)).moe
 
 
 def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
     try:
-        hf = load_hf_config(path)
+        hf = hf_config_for_plan(path)
     except CheckpointError as exc:
         raise ConfigError(f"{role}.model.path: {exc}") from None
     moe = ModelDims.from_hf(hf).moe
