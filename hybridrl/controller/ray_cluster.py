@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hybridrl.config import MachineError
 from hybridrl.controller.reaper import reaper_pids, start_reaper, stop_reaper
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def init_local_ray(num_devices: int, num_cpus: int | None = None,
     ray_constants.ENABLE_RAY_CLUSTER = False
     _daemons_in_own_sessions()
     temp_dir = _worker_temp_dir()
-    ray.init(address="local", num_gpus=num_devices, num_cpus=num_cpus or os.cpu_count() or 1,
+    _start_or_join(address="local", num_gpus=num_devices, num_cpus=num_cpus or os.cpu_count() or 1,
              include_dashboard=False, object_store_memory=object_store_bytes, _node_ip_address=LOOPBACK,
              log_to_driver=log_to_driver, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": worker_python_path(), "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
@@ -188,6 +189,23 @@ def init_local_ray(num_devices: int, num_cpus: int | None = None,
     return resources
 
 
+def _start_or_join(**init_kwargs) -> None:
+    """ray.init, with Ray's own start-up timeout (a raylet that did not register within its fixed 30 s, on a
+    machine under load) turned into one line instead of a traceback."""
+    import ray
+
+    try:
+        ray.init(**init_kwargs)
+    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for it; others pass on unchanged
+        if "timed out during startup" not in str(exc):
+            raise
+        ray.shutdown()
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        raise MachineError(f"Ray's node did not start in time ({str(exc).split('. ')[0].strip()}; load average "
+                           f"{load}): the machine is busy; retry when it is quieter, or lower resources.devices") \
+            from None
+
+
 def ensure_ray(num_devices: int | None = None, address: str | None = None, **local_kwargs) -> dict:
     """Reuse a running Ray in this driver, join `address`, or start a local one with num_devices.
 
@@ -198,7 +216,7 @@ def ensure_ray(num_devices: int | None = None, address: str | None = None, **loc
 
     if not ray.is_initialized():
         if address is not None:
-            ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": worker_python_path()}})
+            _start_or_join(address=address, runtime_env={"env_vars": {"PYTHONPATH": worker_python_path()}})
         else:
             if num_devices is None:
                 raise ValueError("ensure_ray: give num_devices (local cluster) or address (existing cluster)")
