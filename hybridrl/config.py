@@ -230,6 +230,9 @@ class ResourcesConfig:
     devices: int = 2  # devices of the default pool (CPU: Ray "GPU" resources on the local cluster)
     nodes: int = 1
     pools: dict[str, int] = field(default_factory=dict)  # extra named pools: name -> devices
+    # a pool's devices on each node (node 0: the driver's, then the others by name), e.g. whole nodes {default:
+    # [8, 0], gen: [0, 8]}; a pool not listed spreads evenly over every node (hybridrl/parallel/placement.py)
+    node_devices: dict[str, list[int]] = field(default_factory=dict)
     ray_address: Optional[str] = None  # None: start a local Ray cluster
     auto_map: bool = False  # search placement + layouts for this machine (hybridrl/automap/apply.py)
 

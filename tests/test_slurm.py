@@ -141,7 +141,7 @@ def test_remax_tiny_trains_across_two_slurm_nodes(slurm, tmp_path):
     assert sorted(a["node_name"] for a in hosts) == ["n1", "n2"], actors
     assert sorted(a["node_ip"] for a in hosts) == ["127.0.0.2", "127.0.0.3"], actors
     assert len({a["pid"] for a in hosts}) == 2 and all(a["state"] == "DEAD" for a in hosts), hosts
-    assert "actors WorkerHost: n1 x1, n2 x1" in job_log
+    assert "actors WorkerHost[default]: n1 x1, n2 x1" in job_log
 
     assert "command exited with 0" in job_log and "Ray stopped" in job_log
     for node in ("n1", "n2"):
@@ -279,10 +279,16 @@ def test_train_requests_checked_against_the_config(capsys, tmp_path):
     cases = {
         ("--nodes", "1", "--gpus-per-node", "1"):
             "the config's pools need 2 devices (resources.devices=2) but --nodes 1 x --gpus-per-node 1 = 1",
-        ("--nodes", "2", "--gpus-per-node", "2", "resources.devices=3"):
-            "resources.devices=3 does not split over --nodes 2",
-        ("--nodes", "2", "--gpus-per-node", "2", "resources.pools.rm=1"):
-            "resources.pools.rm=1 does not split over --nodes 2",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.devices=3", "resources.pools.rm=2"):
+            "the config's pools need 5 devices (resources.devices=3, resources.pools.rm=2) but --nodes 2 x "
+            "--gpus-per-node 2 = 4",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.node_devices.default=[2,0]", "resources.pools.gen=2"):
+            "node 0 would hold 3 devices (default 2, gen 1) but has 2; change resources.node_devices or the pools "
+            "(--nodes 2 x --gpus-per-node 2)",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.node_devices.default=[1,0]"):
+            "resources.node_devices.default=[1, 0] places 1 devices but resources.devices=2: make them agree",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.node_devices.gen=[1,1]"):
+            "resources.node_devices names pool(s) ['gen'] that resources.pools does not define",
         ("--nodes", "2", "--gpus-per-node", "0"): "--gpus-per-node 0: `hybridrl train` places one worker per device",
         ("--nodes", "2", "--gpus-per-node", "1", "resources.ray_address=1.2.3.4:5"):
             "override resources.ray_address=... is set by the job",
@@ -294,6 +300,47 @@ def test_train_requests_checked_against_the_config(capsys, tmp_path):
         rc, out, err = submit_in_process(capsys, *base, *args)
         assert rc == 2 and message in err and not out, (args, err)
     assert not (tmp_path / "never").exists()
+
+
+def test_pools_on_whole_nodes_are_accepted_and_placed(capsys, tmp_path):
+    """Pools that do not stripe over every node are placed where they fit (whole nodes first) and the trainer gets
+    their devices per node; explicit placements pass through unchanged."""
+    def command(*args: str) -> str:
+        rc, script, err = submit_in_process(capsys, *args, "--dry-run", "--run-dir", str(tmp_path))
+        assert rc == 0, err
+        return next(line for line in script.splitlines() if line.startswith("COMMAND=("))
+
+    # the issue's request: actor + ref on 2 devices, generation on 1, two 4-GPU nodes (refused before)
+    line = command("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "4")
+    assert "resources.node_devices.gen=[1,0]" in line and "node_devices.default" not in line, line
+    # one device per node: the actor's pool on node 0, generation on node 1
+    line = command("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1", "resources.devices=1",
+                   "actor.parallel.tp=1")
+    assert "resources.node_devices.default=[1,0]" in line and "resources.node_devices.gen=[0,1]" in line, line
+    # whole nodes, given: kept as the user wrote them
+    line = command("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "8", "resources.devices=8",
+                   "resources.pools.gen=8", "resources.node_devices.default=[8,0]", "resources.node_devices.gen=[0,8]")
+    assert line.count("resources.node_devices") == 2, line
+
+
+def test_node_placement_rules():
+    from hybridrl.parallel.placement import PlacementError, fit_pools, resolve_node_devices
+
+    assert resolve_node_devices({"default": 4, "gen": 2}, 2, {}) == {"default": [2, 2], "gen": [1, 1]}
+    assert resolve_node_devices({"default": 8, "gen": 8}, 2, {"default": [8, 0], "gen": [0, 8]}) == \
+        {"default": [8, 0], "gen": [0, 8]}
+    with pytest.raises(PlacementError, match=r"or its devices per node: resources.node_devices.gen=\[...\]"):
+        resolve_node_devices({"default": 2, "gen": 1}, 2, {})
+    with pytest.raises(PlacementError, match="give one count >= 0 per node"):
+        resolve_node_devices({"default": 2}, 2, {"default": [2]})
+    assert fit_pools({"default": 16, "gen": 8, "rm": 8}, 4, 8, {}) == \
+        {"default": [4, 4, 4, 4], "gen": [2, 2, 2, 2], "rm": [2, 2, 2, 2]}
+    assert fit_pools({"default": 8, "gen": 8, "rm": 4}, 3, 8, {}) == \
+        {"default": [8, 0, 0], "gen": [0, 8, 0], "rm": [0, 0, 4]}  # whole nodes first
+    assert fit_pools({"default": 6, "gen": 2}, 2, 4, {}) == {"default": [3, 3], "gen": [1, 1]}
+    assert fit_pools({"default": 5, "gen": 3}, 2, 4, {}) == {"default": [4, 1], "gen": [0, 3]}
+    with pytest.raises(PlacementError, match=r"resources.pools.gen=3 does not fit: 2 device\(s\) are free"):
+        fit_pools({"default": 4, "gen": 3}, 2, 3, {"default": [3, 1]})
 
 
 def test_port_ip_and_slurm_string_helpers():

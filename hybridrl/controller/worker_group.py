@@ -250,9 +250,11 @@ class _PoolHosts:
         self.actors = []
         for rank, (group, bundle, local_rank) in enumerate(pool.bundles()):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+            # named for the cluster's actor table (launch/actor_report.py: which pool ran where)
+            name = f"hybridrl:{pool.name}:rank{rank}:{id(self):x}"
             self.actors.append(host_cls.options(num_cpus=0, num_gpus=1, scheduling_strategy=strategy,
-                                                max_restarts=0, name=None).remote(
-                pool.name, rank, pool.world_size, local_rank, pool.devices_per_node))
+                                                max_restarts=0, name=name).remote(
+                pool.name, rank, pool.world_size, local_rank, pool.local_world_size(rank)))
         what = f"pool {pool.name!r} start"
         try:
             self.info = _wait_ranks({r: a.info.remote() for r, a in enumerate(self.actors)}, pool.name, what,

@@ -16,6 +16,7 @@ from pathlib import Path
 from hybridrl.bundled import IMPORT_ROOT, bundled_dir
 from hybridrl.config import ConfigError, find_config, load_config
 from hybridrl.launch.slurm_query import SlurmRequestError, job_state
+from hybridrl.parallel.placement import PlacementError, fit_pools
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ def _default_run_dir(args: argparse.Namespace) -> Path:
 
 
 def _train_command(args: argparse.Namespace) -> JobCommand:
-    """`hybridrl train CONFIG overrides...` for the job, with the config checked against the request:
-    every resource pool spans all --nodes with the same number of devices on each (one Ray "GPU" per
-    device), and the pools fit into --nodes x --gpus-per-node."""
+    """`hybridrl train CONFIG overrides...` for the job, with the config checked against the request: the pools
+    (one Ray "GPU" per device) fit into --nodes x --gpus-per-node, each on the nodes its resources.node_devices
+    names, spread evenly, or packed where it fits (_node_placement)."""
     try:
         args.config = str(find_config(args.config))  # a path, or a bundled config by name
     except ConfigError as exc:
@@ -74,19 +75,7 @@ def _train_command(args: argparse.Namespace) -> JobCommand:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         raise SlurmRequestError(f"config {args.config}: {exc}") from None
-    pools = {"resources.devices": int(cfg.resources.devices),
-             **{f"resources.pools.{name}": int(n) for name, n in cfg.resources.pools.items()}}
-    for option, devices in pools.items():
-        if devices % args.nodes:
-            raise SlurmRequestError(f"{option}={devices} does not split over --nodes {args.nodes} (each pool "
-                                    f"spans every node with the same number of devices); use a multiple of "
-                                    f"{args.nodes} or change --nodes")
-    total, offered = sum(pools.values()), args.nodes * args.gpus_per_node
-    if total > offered:
-        listing = ", ".join(f"{k}={v}" for k, v in pools.items())
-        raise SlurmRequestError(f"the config's pools need {total} devices ({listing}) "
-                                f"but --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {offered}; "
-                                "ask for more or shrink the pools")
+    overrides += _node_placement(cfg, args)
 
     # one run dir for the job's logs and the trainer's metrics/checkpoints, so a requeued job finds them
     trainer_run_dir = _override_value(overrides, "trainer.run_dir")
@@ -103,6 +92,27 @@ def _train_command(args: argparse.Namespace) -> JobCommand:
         and _override_value(args.overrides, "trainer.resume") is None
     argv = [args.python, "-m", "hybridrl.cli", "train", str(Path(args.config).resolve()), *overrides]
     return JobCommand(argv, run_dir, trainer=True, resume_on_requeue=resume_on_requeue)
+
+
+def _node_placement(cfg, args: argparse.Namespace) -> list[str]:
+    """The pools placed on --nodes x --gpus-per-node (parallel/placement.py): resources.node_devices as given, even
+    spreads, and a devices-per-node list for each pool that does not split evenly (packed where it fits, whole
+    nodes first), passed to the trainer as overrides. Refused when the pools do not fit."""
+    pools = {"default": int(cfg.resources.devices), **{str(k): int(v) for k, v in cfg.resources.pools.items()}}
+    listed = {str(k): list(v) for k, v in cfg.resources.node_devices.items()}
+    total, offered = sum(pools.values()), args.nodes * args.gpus_per_node
+    if total > offered:
+        listing = ", ".join(f"{'resources.devices' if k == 'default' else f'resources.pools.{k}'}={v}"
+                            for k, v in pools.items())
+        raise SlurmRequestError(f"the config's pools need {total} devices ({listing}) "
+                                f"but --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {offered}; "
+                                "ask for more or shrink the pools")
+    try:
+        placed = fit_pools(pools, args.nodes, args.gpus_per_node, listed)
+    except PlacementError as exc:
+        raise SlurmRequestError(f"{exc} (--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node})") from None
+    return [f"resources.node_devices.{pool}=[{','.join(map(str, split))}]" for pool, split in placed.items()
+            if pool not in listed and pools[pool] % args.nodes]
 
 
 def validate(args: argparse.Namespace) -> JobCommand:

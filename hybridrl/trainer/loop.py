@@ -113,8 +113,8 @@ class RLTrainer:
     def start(self) -> None:
         """Start Ray and every role on its pool."""
         self.start_ray()
-        self.pools = {name: ResourcePool(devices=n, nodes=self.cfg.resources.nodes, name=name)
-                      for name, n in self.plan.pools.items()}
+        self.pools = {name: ResourcePool(nodes=len(split), devices_per_node=split, name=name)  # the plan's nodes
+                      for name, split in self.plan.node_devices.items()}
         self.roles = start_roles(self.cfg, self.plan, self.pools, self.tokenizer)
         if "rollout" in self.plan.roles:
             self._start_rollout_pool()

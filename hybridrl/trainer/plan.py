@@ -29,6 +29,7 @@ from hybridrl.models.config import CheckpointError, hf_config_for_plan
 from hybridrl.models.families import ModelDims
 from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
+from hybridrl.parallel.placement import PlacementError, resolve_node_devices
 from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
@@ -63,6 +64,7 @@ class RunPlan:
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
     # generation batches in flight ahead of training: 0 sync, 1 one_step_off, algorithm.max_staleness async
     rollout_ahead: int = 0
+    node_devices: dict[str, list[int]] = field(default_factory=dict)  # pool -> its devices on each node
 
 
 def _check(condition: bool, message: str) -> None:
@@ -83,9 +85,10 @@ def plan_run(cfg: Any) -> RunPlan:
            f"{rows}")
     max_len = _max_model_len(cfg, response_length)
     step = step_needs(spec, typed(cfg.algorithm), rows)
-    plan = RunPlan(algorithm=spec, pools=_pools(cfg.resources), step=step, rollout=typed(cfg.rollout),
+    pools = _pools(cfg.resources)
+    plan = RunPlan(algorithm=spec, pools=pools, step=step, rollout=typed(cfg.rollout),
                    loss=_loss(cfg, spec, loss_agg, response_length), response_length=response_length,
-                   rows_per_step=rows)
+                   rows_per_step=rows, node_devices=_node_devices(cfg.resources, pools))
     _place_roles(cfg, plan)
     plan.rollout = _resolve_tool_sandbox(cfg, _resolve_rollout(cfg, plan, max_len))
     _check_batch_splits(plan)
@@ -167,9 +170,16 @@ def _pools(res: Any) -> dict[str, int]:
     pools = {DEFAULT_POOL: int(res.devices), **{str(k): int(v) for k, v in res.pools.items()}}
     for name, devices in pools.items():
         _check(devices >= 1, f"resources.pools.{name}={devices} must be >= 1")
-        _check(devices % res.nodes == 0, f"pool {name!r} has {devices} devices, which do not split evenly over "
-                                         f"resources.nodes={res.nodes}; give each pool a multiple of the node count")
     return pools
+
+
+def _node_devices(res: Any, pools: dict[str, int]) -> dict[str, list[int]]:
+    """Each pool's devices per node (parallel/placement.py): resources.node_devices, else an even spread."""
+    listed = {str(k): list(v) for k, v in (res.get("node_devices") or {}).items()}
+    try:
+        return resolve_node_devices(pools, int(res.nodes), listed)
+    except PlacementError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ---- lengths and episodes ----------------------------------------------------------------------------------
