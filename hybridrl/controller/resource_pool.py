@@ -142,9 +142,9 @@ class ResourcePool:
         if len(ready) != len(groups):
             for group in groups:
                 remove_placement_group(group)
-            raise ResourcePoolError(f"ResourcePool {self.name!r}: {self.node_split} free devices per node not found "
-                                    f"within {self.placement_timeout_s:.0f}s (other pools hold them?); free devices "
-                                    "or shrink the pool")
+            raise ResourcePoolError(f"ResourcePool {self.name!r}: free devices not found within "
+                                    f"{self.placement_timeout_s:.0f}s for {self.node_split} device(s) per node (other "
+                                    "pools hold them?); free devices or shrink the pool")
         self._placement_groups = groups
         logger.info("pool %r placed: %s device(s) per node", self.name, self.node_split)
         return groups

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from hybridrl.algorithms.losses import KL_ESTIMATORS
 from hybridrl.config import ConfigError
+from hybridrl.envs.sandbox import SANDBOXES
 from hybridrl.models.tiny import TINY_PREFIX
 from hybridrl.rollout import sampling_params_from_config
 from hybridrl.rollout.base import SamplingParamsError
@@ -107,7 +108,10 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("algorithm.max_staleness",), _at_least(0), "must be >= 0", "0: every sample from the current weights"),
     (("trainer.mode",), _one_of("sync", "one_step_off", "async"), "is not sync, one_step_off or async", "sync"),
     (("rollout.env",), _optional(_names), "must name an environment", "charset_turns, tool_answer or pkg.mod:Class"),
-    (("rollout.tool_sandbox",), _names, "must name a sandbox", "auto, bwrap, remote, guard or none"),
+    (("rollout.tool_sandbox",), lambda v: v == "auto" or v in SANDBOXES, "is not a registered tool sandbox",
+     "auto, bwrap, remote, guard or none"),
+    (("rollout.tool_sandbox_url",), _optional(lambda v: str(v).startswith(("http://", "https://"))),
+     "is not an http(s):// URL", "the sandbox service's endpoint, e.g. http://HOST:8080/run_code"),
     (("rollout.max_turns",), _at_least(1), "must be >= 1", "model turns per episode"),
     (("rollout.max_episode_tokens",), _optional(_at_least(1)), "must be >= 1",
      "leave unset: 2 * max_turns * max_new_tokens"),
