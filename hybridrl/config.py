@@ -26,6 +26,20 @@ class ConfigError(ValueError):
 class MachineError(OSError):
     """The machine refuses what a valid config asks: a folder that cannot be written, a full disk."""
 
+    @classmethod
+    def writing(cls, path: Any, exc: OSError, what: str = "") -> "MachineError":
+        """The one line for a failed write to `path`; a full disk says so in words."""
+        import errno  # only on this path
+
+        if getattr(exc, "errno", None) == errno.ENOSPC:
+            return cls(errno.ENOSPC, f"{path}: no space left on device{what}; free space or point trainer.run_dir "
+                                     f"at a larger disk, then trainer.resume=auto")
+        return cls(getattr(exc, "errno", None) or errno.EIO,
+                   f"{path}: cannot write there{what} ({exc.strerror or exc}); choose a folder you can write to")
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror else super().__str__()
+
 
 @dataclass
 class ParallelConfig:
@@ -169,6 +183,11 @@ class RolloutConfig:
     agent_failure_reward: Optional[float] = None  # a run that raised or timed out: None drops it, a number keeps
     # the trajectories it has with this reward
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    # where tools run model-written code (hybridrl/envs/sandbox.py): auto (the strongest that starts here: bwrap,
+    # else tools are refused) | bwrap | remote (an HTTP service, tool_sandbox_url) | guard (audit hooks: mistakes
+    # only, not attackers) | none (no isolation: trusted code, or a run already inside a sandbox)
+    tool_sandbox: str = "auto"
+    tool_sandbox_url: Optional[str] = None  # tool_sandbox=remote: SandboxFusion-style POST endpoint (.../run_code)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     @property
@@ -328,6 +347,9 @@ class ResourcesConfig:
     devices: int = 2  # devices of the default pool (CPU: Ray "GPU" resources on the local cluster)
     nodes: int = 1
     pools: dict[str, int] = field(default_factory=dict)  # extra named pools: name -> devices
+    # a pool's devices on each node (node 0: the driver's, then the others by name), e.g. whole nodes {default:
+    # [8, 0], gen: [0, 8]}; a pool not listed spreads evenly over every node (hybridrl/parallel/placement.py)
+    node_devices: dict[str, list[int]] = field(default_factory=dict)
     ray_address: Optional[str] = None  # None: start a local Ray cluster
     auto_map: bool = False  # search placement + layouts for this machine (hybridrl/automap/apply.py)
 
@@ -351,6 +373,10 @@ class TrainerConfig:
     call_timeout_s: float = 900.0
     hang_timeout_s: float = 300.0  # a call without progress this long (scaled up by the step times seen) is
     # a hang: stacks dumped into the run folder, recovered like a dead worker (controller/watchdog.py); 0: off
+    # SIGTERM / SIGINT: finish the step in flight and save one more checkpoint first, when that fits into
+    # signal_grace_s (the time the scheduler leaves before its SIGKILL: Slurm's KillWait, 30 s by default)
+    save_on_signal: bool = False
+    signal_grace_s: float = 30.0
 
 
 @dataclass

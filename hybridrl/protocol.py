@@ -12,11 +12,20 @@ object store stores them without an extra copy, and a receiver copies each tenso
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+
+def _tensordict() -> type:
+    # start-up time: tensordict imports torch._dynamo (~1.5 s), which commands that only check a config never need
+    from tensordict import TensorDict
+
+    return TensorDict
 
 # numpy has no bfloat16 / float8: such tensors travel as same-width integer views.
 _NUMPY_VIEW_DTYPES = {
@@ -65,6 +74,7 @@ class Batch:
                  meta: dict | None = None) -> None:
         non_tensors = {k: _as_object_array(v, k) for k, v in (non_tensors or {}).items()}
         lengths = {f"non_tensors[{k!r}]": len(v) for k, v in non_tensors.items()}
+        TensorDict = _tensordict()
         if isinstance(tensors, TensorDict):
             td = tensors
             if td.batch_dims < 1:
@@ -264,7 +274,7 @@ class Batch:
 
 
 def _batch_from_wire(wire: dict, size: int, non_tensors: dict, meta: dict) -> Batch:
-    tensors = TensorDict({key: _tensor_from_wire(*value) for key, value in wire.items()}, batch_size=[size])
+    tensors = _tensordict()({key: _tensor_from_wire(*value) for key, value in wire.items()}, batch_size=[size])
     return Batch(tensors, non_tensors, meta)
 
 

@@ -157,6 +157,28 @@ def test_write_config_loads(tmp_path, capsys):
     assert cfg.ref.pool == best["roles"]["ref"]["pool"] and cfg.resources.auto_map is False
 
 
+def test_write_config_places_pools_on_whole_nodes(tmp_path, capsys):
+    """70B PPO on 16 nodes: the search puts training and the critic's pool on whole nodes of their own (HybridFlow's
+    placement); the written config says so node by node and the trainer's plan accepts the split."""
+    from hybridrl.config import load_config
+    from hybridrl.parallel.placement import resolve_node_devices
+
+    path = tmp_path / "auto.yaml"
+    out = _plan(capsys, "--auto", "--model", "llama-70b", "--algorithm", "ppo", "--gpus", "128", "--gpu",
+                "a100-80g", "--write-config", str(path))
+    placement = out["best"]["placement"]
+    assert len(placement) == 2 and all(sum(p["node_devices"]) == p["devices"] for p in placement.values())
+    assert [sum(split) for split in zip(*(p["node_devices"] for p in placement.values()))] == [8] * 16  # no node
+    assert all(set(p["node_devices"]) == {0, 8} for p in placement.values())  # twice, whole nodes only
+    cfg = load_config(path)
+    assert cfg.resources.nodes == 16
+    assert {k: list(v) for k, v in cfg.resources.node_devices.items()} == {
+        name: pool["node_devices"] for name, pool in placement.items()}
+    pools = {"default": cfg.resources.devices, **cfg.resources.pools}
+    assert resolve_node_devices(pools, 16, dict(cfg.resources.node_devices)) == {
+        name: pool["node_devices"] for name, pool in placement.items()}
+
+
 @pytest.mark.slow
 def test_train_auto_map_two_devices(tmp_path):
     """`hybridrl train resources.auto_map=true` on the 2-device CPU box: the chosen mapping is valid for the

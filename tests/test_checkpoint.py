@@ -11,14 +11,17 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hybridrl.cli.train import _outcome
 from hybridrl.trainer import checkpoint as ckpt
 from hybridrl.trainer.run import run_training
 
@@ -319,14 +322,53 @@ def test_worker_deaths_beyond_max_restarts_stop_with_a_message(ray_cluster, tmp_
                 fire_at=0)
     tracker = _tracker(run_dir)
     try:
-        with pytest.raises(RestartsExhaustedError, match=r"trainer.max_restarts=0"):
+        with pytest.raises(RestartsExhaustedError, match=r"trainer.max_restarts=0") as raised:
             run_training(trainer, tracker, run_dir)
     finally:
         trainer.close()
         tracker.close()
+    code, line = _outcome(raised.value, trainer.step, run_dir)  # what `hybridrl train` ends with
+    assert code == 4 and "\n" not in line, line  # one line, not Ray's multi-line ActorDiedError
+    assert re.match(r"stopped: a worker died at step 1 \((actor|ref) rank 1: worker process died \(pid \d+ ip [\d.]+: "
+                    r"The actor is dead because its worker process has died\. [^()]*\)\) and trainer.max_restarts=0 "
+                    r"restart\(s\) are used up", line), line
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.6 MB tmpfs: room for one checkpoint of the tiny actor (1.7 MB), not two."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(ray_cluster, small_disk, capsys):
+    run_dir = small_disk / "run"
+    rc, err = _cli(["trainer.steps=4", "trainer.save_every=1", f"trainer.run_dir={run_dir}"], capsys)
+    last = err.strip().splitlines()[-1]
+    latest = ckpt.CheckpointManager(run_dir).latest()
+    assert rc == 5 and latest is not None and ckpt.is_complete(latest), err[-2000:]
+    assert last == (f"hybridrl train: {run_dir}/ckpt: no space left on device while saving step "
+                    f"{int(latest.name.split('_')[1]) + 1}; the last complete checkpoint, {latest}, is intact; free "
+                    f"space or point trainer.run_dir at a larger disk, then trainer.resume=auto"), last
+    assert not list((run_dir / "ckpt").glob("step_*.tmp-*")) and ckpt.resolve_resume("auto", run_dir) == latest
+
+    # at start: the disk is full before anything is written (the run lock is the first file)
+    with open(small_disk / "filler", "wb", buffering=0) as filler:
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                filler.write(b"x" * (1 << 16))
+    rc, err = _cli(["trainer.steps=1", f"trainer.run_dir={small_disk / 'second'}"], capsys)
+    assert rc == 5 and err.strip() == (f"hybridrl train: {small_disk / 'second'}/.lock: no space left on device; "
+                                       f"free space or point trainer.run_dir at a larger disk, then "
+                                       f"trainer.resume=auto"), err
+
+
 def test_nan_reward_policy_and_no_poisoned_checkpoint(ray_cluster, tmp_path, capsys, policy):
     """Rewards are NaN on step 2. stop: exit code 3 with the message, checkpoint of step 1 only. skip: the
     step is skipped (no update), the run goes on, steps 1 and 3 are checkpointed but not step 2."""

@@ -61,6 +61,7 @@ BAD = {
     "rollout.agent_failure_reward": "nan", "rollout.endpoint.host": "''", "rollout.endpoint.port": 70000,
     "rollout.endpoint.max_request_bytes": 10, "rollout.endpoint.max_n": 0, "rollout.endpoint.batch_window_ms": -1,
     "rollout.endpoint.sampling": "weird",
+    "rollout.tool_sandbox": "docker", "rollout.tool_sandbox_url": "ftp://sandbox:8080",
     "reward.fn": "no_such_module_xyz:score", "reward.cost_fn": "no_such_module_xyz:cost",
     "reward.num_workers": -1, "reward.sources": "[{name: ''}]",
     **{f"{section}.{key}": value for section in ("reward_model", "cost_model") for key, value in SCORER_BAD.items()},
@@ -68,12 +69,12 @@ BAD = {
     "data.batch_size": 0, "data.max_prompt_length": 0, "data.overlong_prompts": "weird", "data.shuffle": "maybe",
     "data.seed": -1,
     "resources.devices": 0, "resources.nodes": 0, "resources.ray_address": "not an address",
-    "resources.auto_map": "maybe", "resources.pools": "{p: 0}",
+    "resources.auto_map": "maybe", "resources.pools": "{p: 0}", "resources.node_devices": "{default: [1, 1]}",
     "trainer.steps": 0, "trainer.seed": -1, "trainer.log_every": -1, "trainer.save_every": -1,
     "trainer.keep_last": 0, "trainer.resume": "/nonexistent/ckpt", "trainer.max_restarts": -1,
     "trainer.on_nan": "weird", "trainer.mode": "weird", "trainer.max_skipped_steps": 0, "trainer.trackers": "[nope]",
     "trainer.project": "''", "trainer.progress_bar": "maybe", "trainer.call_timeout_s": 0,
-    "trainer.hang_timeout_s": -1,
+    "trainer.hang_timeout_s": -1, "trainer.save_on_signal": "maybe", "trainer.signal_grace_s": 0,
 }
 # refused elsewhere, with another exit code: an unwritable run folder is the machine's refusal (exit 5,
 # tests/test_train_config.py)
@@ -84,7 +85,7 @@ def _options(node, prefix: str = "") -> list[str]:
     out = []
     for key in node:
         value = node[key]
-        if OmegaConf.is_dict(value) and key not in ("pools", "env_kwargs"):
+        if OmegaConf.is_dict(value) and key not in ("pools", "env_kwargs", "node_devices"):
             out += _options(value, f"{prefix}{key}.")
         else:
             out.append(f"{prefix}{key}")

@@ -12,14 +12,15 @@ from hybridrl.envs import (Environment, StepResult, Tool, ToolCall, ToolCallErro
                            parse_tool_calls, python_tool, register_env, run_python)
 
 
-# ---- the sandbox ---------------------------------------------------------------------------------------------
+# ---- the in-process guard (rollout.tool_sandbox=guard; bubblewrap, the default, is tests/test_sandbox.py) --------
 def _scratch_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("hybridrl-tool-*")}
 
 
-def test_sandbox_returns_stdout_and_keeps_files_in_its_scratch_dir():
+def test_guard_returns_stdout_and_keeps_files_in_its_scratch_dir():
     before = _scratch_dirs()
-    result = run_python("open('notes.txt', 'w').write('kept here')\nprint(open('notes.txt').read(), 2 ** 10)", timeout_s=60)
+    result = run_python("open('notes.txt', 'w').write('kept here')\nprint(open('notes.txt').read(), 2 ** 10)",
+                        sandbox="guard", timeout_s=60)
     assert result.ok and result.observation() == "kept here 1024\n"
     assert _scratch_dirs() == before  # the scratch dir is removed
 
@@ -32,27 +33,30 @@ def test_sandbox_returns_stdout_and_keeps_files_in_its_scratch_dir():
     ("x = bytearray(4 << 30)", "error: MemoryError"),
     ("import ctypes", "error: RuntimeError: sandbox: importing ctypes is not allowed"),
     ("import os\nos.remove('/etc/hostname')", "error: PermissionError: sandbox: changing files outside the scratch"),
+    ("import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", "error: PermissionError: sandbox: reading other processes"),
 ])
-def test_sandbox_stops_misbehaviour_with_a_clear_observation(code, expected):
+def test_guard_stops_misbehaviour_with_a_clear_observation(code, expected):
     # a generous limit except for the runaway loop: a loaded CI machine starts Python slowly
-    result = run_python(code, timeout_s=3 if "while True" in code and "fork" not in code else 60)
+    result = run_python(code, sandbox="guard", timeout_s=3 if "while True" in code and "fork" not in code else 60)
     assert not result.ok
     assert result.observation().startswith(expected), result.observation()
 
 
-def test_sandbox_refuses_writes_outside_its_scratch_dir(tmp_path):
+def test_guard_refuses_writes_outside_its_scratch_dir(tmp_path):
     target = tmp_path / "escape.txt"
-    result = run_python(f"open({str(target)!r}, 'w').write('x')", timeout_s=60)
+    result = run_python(f"open({str(target)!r}, 'w').write('x')", sandbox="guard", timeout_s=60)
     assert result.observation().startswith("error: PermissionError: sandbox: writing outside the scratch directory")
     assert not target.exists()
-    fd_escape = run_python(f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)", timeout_s=60)
+    fd_escape = run_python(f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)", sandbox="guard",
+                           timeout_s=60)
     assert "writing outside the scratch directory" in fd_escape.observation() and not target.exists()
 
 
-def test_sandbox_child_sees_no_parent_environment():
+def test_guard_child_sees_no_parent_environment():
     os.environ["HYBRIDRL_SECRET_FOR_TEST"] = "leaked"
     try:
-        result = run_python("import os\nprint(os.environ.get('HYBRIDRL_SECRET_FOR_TEST'))", timeout_s=60)
+        result = run_python("import os\nprint(os.environ.get('HYBRIDRL_SECRET_FOR_TEST'))", sandbox="guard",
+                            timeout_s=60)
     finally:
         del os.environ["HYBRIDRL_SECRET_FOR_TEST"]
     assert result.observation() == "None\n"

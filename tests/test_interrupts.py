@@ -1,9 +1,12 @@
-"""`hybridrl train` stopped by SIGINT / SIGTERM: one line naming the last checkpoint, exit 128 + signal, no
-worker process and no temp-dir leftover after it, and `trainer.resume=auto` continues from that checkpoint."""
+"""`hybridrl train` stopped by SIGINT / SIGTERM as clusters send them (to the driver, to its process group, to every
+process of the job as Slurm's scancel / time limit and systemd do): one line naming the last checkpoint, exit
+128 + signal, no worker process and no temp-dir leftover after it, and `trainer.resume=auto` continues from that
+checkpoint; trainer.save_on_signal saves the step in flight first."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -16,8 +19,6 @@ import psutil
 import pytest
 
 from hybridrl.trainer.checkpoint import CheckpointManager, is_complete
-
-pytestmark = pytest.mark.slow
 
 
 def _leftovers(tmp_dir: Path) -> list[str]:
@@ -34,15 +35,47 @@ def tmp_dir():
 
 
 def _env(tmp_dir: Path) -> dict:
-    # TMPDIR catches every temp file of the driver and its workers; Ray's own session folder stays in /tmp
-    # (its socket paths must stay short)
+    # TMPDIR catches every temp file of the driver and its workers (the hrl-* folder too); Ray's own session
+    # folder stays in /tmp (its socket paths must stay short)
     return {**os.environ, "TMPDIR": str(tmp_dir), "RAY_TMPDIR": "/tmp"}
 
 
 def _train(run_dir: Path, env: dict, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hybridrl.cli", "train", f"trainer.run_dir={run_dir}",
                              "trainer.progress_bar=false", "trainer.save_every=1", *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # a process group of its own, as a job's
+
+
+def _send(proc: subprocess.Popen, sig: int, to: str) -> list:
+    """Send `sig` as a cluster would: to the driver, to its process group (`timeout`, `kill -- -PGID`), or to
+    every process of the run (Slurm's scancel and time limit, systemd: the whole cgroup). Returns the tree."""
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert tree  # Ray daemons and the role workers
+    if to == "driver":
+        proc.send_signal(sig)
+    elif to == "group":
+        os.killpg(proc.pid, sig)
+    else:
+        for process in [psutil.Process(proc.pid), *tree]:
+            try:
+                process.send_signal(sig)
+            except psutil.Error:
+                pass
+    return tree
+
+
+def _listening(proc: subprocess.Popen) -> list[tuple[str, int, str]]:
+    """Every TCP listener of the run (driver, Ray's daemons, the workers): (address, port, process name)."""
+    tree = {p.pid: p for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]}
+    found = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in tree:
+            try:
+                found.append((conn.laddr.ip, conn.laddr.port, tree[conn.pid].name()))
+            except psutil.Error:
+                pass
+    return found
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -58,6 +91,14 @@ def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, deadline_s: floa
         time.sleep(0.5)
 
 
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, deadline_s: float = 900) -> None:
+    end = time.monotonic() + deadline_s
+    while not _steps(run_dir):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, "no step logged"
+        time.sleep(0.2)
+
+
 def _wait_for_save_in_flight(proc: subprocess.Popen, run_dir: Path, deadline_s: float = 300) -> None:
     """Until a step_N.tmp-* folder exists: the workers are writing a checkpoint into it."""
     end = time.monotonic() + deadline_s
@@ -67,34 +108,49 @@ def _wait_for_save_in_flight(proc: subprocess.Popen, run_dir: Path, deadline_s: 
         time.sleep(0.02)
 
 
-# SIGTERM between saves, SIGINT while the workers write a checkpoint (the half-written one is removed after
-# they are gone, never under them)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_the_run_cleanly(tmp_path, tmp_dir, sig):
+# SIGTERM to the process group (with trainer.save_on_signal: the step in flight is finished and saved), SIGTERM to
+# every process (Ray's daemons die too: the driver must not wait on them), SIGINT to the driver while the workers
+# write a checkpoint (the half-written one is removed after they are gone, never under them)
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, to", [(signal.SIGTERM, "group"), (signal.SIGTERM, "every process"),
+                                     (signal.SIGINT, "driver")])
+def test_signal_stops_the_run_cleanly(tmp_path, tmp_dir, sig, to):
     run_dir = tmp_path / "run"
     env = _env(tmp_dir)
-    proc = _train(run_dir, env, "trainer.steps=30")
-    _wait_for_checkpoint(proc, run_dir)
+    save_on_signal = to == "group"
+    extra = ["trainer.save_every=1000", "trainer.save_on_signal=true"] if save_on_signal else []
+    proc = _train(run_dir, env, "trainer.steps=30", *extra)
+    (_wait_for_step if save_on_signal else _wait_for_checkpoint)(proc, run_dir)
+    # a one-node run listens on loopback only: the pool's rendezvous store (before: on every interface), gloo's
+    # pairs, Ray's daemons and workers
+    listening = _listening(proc)
+    assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _, _ in listening), listening
     if sig == signal.SIGINT:
         _wait_for_save_in_flight(proc, run_dir)
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    assert tree  # Ray daemons and the role workers
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=180)
+    tree = _send(proc, sig, to)
+    out, err = proc.communicate(timeout=60)  # before: a dead GCS held the driver for 60 s, then exit 1
+    store = re.search(r"pool 'default': 2 workers in one (\S+):(\d+) process group", err)
+    assert store and store.group(1) == "127.0.0.1" and ("127.0.0.1", int(store.group(2)), "ray::WorkerHost") in [
+        (ip, port, name.split(".")[0]) for ip, port, name in listening], (store and store.group(0), listening)
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     latest = CheckpointManager(run_dir).latest()
-    saved = int(latest.name.split("_")[1])  # the last logged step, or the one before if its save was cut off
-    assert is_complete(latest) and saved in (_steps(run_dir)[-1], _steps(run_dir)[-1] - 1)
+    saved = int(latest.name.split("_")[1])
+    if save_on_signal:  # no regular save: the step running at the signal was finished and saved on it
+        assert saved == _steps(run_dir)[-1], (saved, _steps(run_dir))
+        assert f"SIGTERM: saving step {saved} before stopping" in err
+    else:  # the last logged step, or the one before if its save was cut off
+        assert saved in (_steps(run_dir)[-1], _steps(run_dir)[-1] - 1)
+    assert is_complete(latest)
     assert last == (f"hybridrl train: interrupted ({sig.name}) at step {_steps(run_dir)[-1] + 1}; last checkpoint: "
                     f"{latest}; resume with trainer.resume=auto trainer.run_dir={run_dir}"), last
     assert not list((run_dir / "ckpt").glob("step_*.tmp-*"))
     _, alive = psutil.wait_procs(tree, timeout=30)
     assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], alive
-    assert _leftovers(tmp_dir) == []
+    assert _leftovers(tmp_dir) == []  # the workers' hrl-* temp folder included
 
-    if sig == signal.SIGTERM:  # the run continues where it stopped
+    if save_on_signal:  # the run continues where it stopped (what a requeued job does)
         resumed = _train(run_dir, env, f"trainer.steps={saved + 2}", "trainer.resume=auto")
         out, err = resumed.communicate(timeout=900)
         assert resumed.returncode == 0, err[-3000:]
@@ -103,8 +159,10 @@ def test_signal_stops_the_run_cleanly(tmp_path, tmp_dir, sig):
         assert _leftovers(tmp_dir) == []
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_driver_leaves_no_process(tmp_path, tmp_dir):
-    """Workers, Ray's daemons and its agents follow a SIGKILLed driver within seconds (controller/reaper.py)."""
+    """Workers, Ray's daemons and its agents follow a SIGKILLed driver within seconds (controller/reaper.py), and
+    the reaper removes the workers' temp folder after them."""
     run_dir = tmp_path / "run"
     proc = _train(run_dir, _env(tmp_dir), "trainer.steps=30")
     _wait_for_checkpoint(proc, run_dir)
@@ -115,3 +173,29 @@ def test_sigkill_of_the_driver_leaves_no_process(tmp_path, tmp_dir):
     proc.communicate()
     _, alive = psutil.wait_procs(tree, timeout=20)
     assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], alive
+    deadline = time.monotonic() + 30
+    while _leftovers(tmp_dir) and time.monotonic() < deadline:  # the reaper removes it once its writers are gone
+        time.sleep(0.5)
+    assert _leftovers(tmp_dir) == []
+
+
+def test_temp_folders_of_killed_runs_are_reaped(tmp_path):
+    """A worker temp folder whose driver is gone (its .owner lock free) is removed by the next run; one whose
+    driver lives, and a folder that is not hybridrl's (no .owner), are kept."""
+    from hybridrl.controller.ray_cluster import reap_stale_temp_dirs
+
+    for name in ("hrl-dead", "hrl-alive", "hrl-foreign"):
+        (tmp_path / name / "pymp-x").mkdir(parents=True)
+    (tmp_path / "hrl-dead" / ".owner").touch()
+    (tmp_path / "hrl-alive" / ".owner").touch()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\nf = open(sys.argv[1])\n"
+                               "fcntl.flock(f, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(600)",
+                               str(tmp_path / "hrl-alive" / ".owner")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert reap_stale_temp_dirs(str(tmp_path)) == [str(tmp_path / "hrl-dead")]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hrl-alive", "hrl-foreign"]
+    assert reap_stale_temp_dirs(str(tmp_path)) == [str(tmp_path / "hrl-alive")]  # its driver is gone now

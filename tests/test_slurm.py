@@ -141,7 +141,7 @@ def test_remax_tiny_trains_across_two_slurm_nodes(slurm, tmp_path):
     assert sorted(a["node_name"] for a in hosts) == ["n1", "n2"], actors
     assert sorted(a["node_ip"] for a in hosts) == ["127.0.0.2", "127.0.0.3"], actors
     assert len({a["pid"] for a in hosts}) == 2 and all(a["state"] == "DEAD" for a in hosts), hosts
-    assert "actors WorkerHost: n1 x1, n2 x1" in job_log
+    assert "actors WorkerHost[default]: n1 x1, n2 x1" in job_log
 
     assert "command exited with 0" in job_log and "Ray stopped" in job_log
     for node in ("n1", "n2"):
@@ -149,6 +149,109 @@ def test_remax_tiny_trains_across_two_slurm_nodes(slurm, tmp_path):
         assert f"node {node}: Ray stopped" in node_log and ", 0 left" in node_log, node_log[-2000:]
     assert wait_no_processes(job_id) == []
     assert not Path(f"/tmp/hr-ray-{job_id}").exists()
+
+
+@pytest.mark.slow
+def test_pools_on_separate_nodes_across_two_slurm_nodes(slurm, tmp_path):
+    """HybridFlow's whole-node placement: remax_async_tiny's actor (+ reference) pool on n1, its rollout pool on n2
+    (`hybridrl submit` places them; before, a pool had to stripe over every node), 3 steps with the weights sent
+    from node to node; the job's ray_actors.json shows each pool's worker on its node, and each pool's rendezvous
+    listens on its node's address."""
+    run_dir = tmp_path / "run"
+    try:
+        proc = submit("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1", "--ip-mode",
+                      "loopback", "--time", "30", "--job-name", "hr-test-pools", "--ray-object-store-mb", "100",
+                      "--ray-join-timeout", "300", "--wait", "--wait-timeout", "1300", "resources.devices=1",
+                      "actor.parallel.tp=1", "trainer.steps=3", f"trainer.run_dir={run_dir}", timeout=1400)
+    finally:
+        cancel(run_dir)
+    job_id = (run_dir / "job_id").read_text().strip()
+    job_log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_log}"
+    running = next(line for line in job_log.splitlines() if "] running: " in line)
+    assert "resources.node_devices.default=[1,0]" in running and "resources.node_devices.gen=[0,1]" in running
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3] and all(s["actor/update_ok"] == 1.0 for s in steps)
+    assert any("time/weight_sync" in s for s in steps)  # generation on its own pool, fed over the bridge
+
+    actors = json.loads((run_dir / "ray_actors.json").read_text())
+    hosts = {a["name"].split(":")[1]: a for a in actors if a["actor_class"] == "WorkerHost"}
+    assert sorted(hosts) == ["default", "gen"], actors
+    assert (hosts["default"]["node_name"], hosts["default"]["node_ip"]) == ("n1", "127.0.0.2"), hosts
+    assert (hosts["gen"]["node_name"], hosts["gen"]["node_ip"]) == ("n2", "127.0.0.3"), hosts
+    assert "actors WorkerHost[default]: n1 x1" in job_log and "actors WorkerHost[gen]: n2 x1" in job_log
+    for pool, ip in (("default", "127.0.0.2"), ("gen", "127.0.0.3")):  # not every interface: the node's address
+        assert re.search(rf"pool '{pool}': 1 workers in one {re.escape(ip)}:\d+ process group", job_log), job_log
+    assert "command exited with 0" in job_log and wait_no_processes(job_id) == []
+
+
+def _wait_job(job_id: str, timeout_s: float = 600) -> str:
+    from hybridrl.launch.slurm_query import job_state
+    from hybridrl.launch.submit import TERMINAL_STATES
+
+    deadline = time.monotonic() + timeout_s
+    while (state := job_state(job_id)[0]) not in TERMINAL_STATES and time.monotonic() < deadline:
+        time.sleep(1)
+    return state
+
+
+def _interrupted_line(job_log: str, run_dir: Path) -> int:
+    """The trainer's last line in the job log; returns the step of the checkpoint it names (checked complete)."""
+    line = next(text for text in reversed(job_log.splitlines()) if text.startswith("hybridrl train: "))
+    match = re.fullmatch(rf"hybridrl train: interrupted \(SIGTERM\) at step \d+; last checkpoint: "
+                         rf"{re.escape(str(run_dir))}/ckpt/step_(\d+); resume with trainer.resume=auto "
+                         rf"trainer.run_dir={re.escape(str(run_dir))}", line)
+    assert match, line
+    from hybridrl.trainer.checkpoint import is_complete
+
+    assert is_complete(run_dir / "ckpt" / f"step_{match.group(1)}")
+    assert not list((run_dir / "ckpt").glob("step_*.tmp-*"))
+    return int(match.group(1))
+
+
+@pytest.mark.slow
+def test_time_limit_and_scancel_stop_the_trainer_cleanly(slurm, tmp_path):
+    """Slurm's own signals (SIGTERM to every process of the job, SIGKILL KillWait later): at the job's time limit
+    and at scancel the trainer ends with its one line naming the last checkpoint (exit 143), no process, temp folder
+    or half-written checkpoint is left, and the next submission resumes from that checkpoint."""
+    run_dir = tmp_path / "run"
+    common = ["configs/remax_tiny.yaml", "--nodes", "1", "--gpus-per-node", "1", "--ip-mode", "loopback",
+              "--ray-object-store-mb", "100", "--no-requeue", "resources.devices=1", "actor.parallel.tp=1",
+              "trainer.save_every=2", "trainer.steps=100000", f"trainer.run_dir={run_dir}"]
+    try:
+        proc = submit(*common, "--time", "1", "--job-name", "hr-test-limit", "--wait", "--wait-timeout", "400",
+                      timeout=500)  # the 1-minute limit ends it
+        job_id = (run_dir / "job_id").read_text().strip()
+        job_log = (run_dir / f"slurm-{job_id}.out").read_text()
+        assert f"job {job_id} TIMEOUT" in proc.stderr, f"{proc.stdout}\n{proc.stderr}\n{job_log}"
+        saved = _interrupted_line(job_log, run_dir)
+        assert "command exited with 143 (stopped by SIGTERM)" in job_log and wait_no_processes(job_id) == []
+        assert not Path(f"/tmp/hr-ray-{job_id}").exists()
+
+        proc = submit(*common, "--time", "10", "--job-name", "hr-test-cancel", "trainer.resume=auto", timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        job_id = (run_dir / "job_id").read_text().strip()
+        deadline, log = time.monotonic() + 400, run_dir / f"slurm-{job_id}.out"
+        while f"step {saved + 2}/" not in (log.read_text() if log.exists() else ""):  # two steps after the resume
+            assert time.monotonic() < deadline and job_state_of(job_id) in ("PENDING", "RUNNING", "CONFIGURING")
+            time.sleep(1)
+        subprocess.run(["scancel", job_id], check=True)
+        assert _wait_job(job_id) == "CANCELLED"
+    finally:
+        cancel(run_dir)
+    job_log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert f"resuming from {run_dir}/ckpt/step_{saved}" in job_log, job_log[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[:saved + 2] == list(range(1, saved + 3))  # continued where the time limit stopped it
+    _interrupted_line(job_log, run_dir)
+    assert "command exited with 143 (stopped by SIGTERM)" in job_log
+    assert wait_no_processes(job_id) == [] and not Path(f"/tmp/hr-ray-{job_id}").exists()
+
+
+def job_state_of(job_id: str) -> str:
+    from hybridrl.launch.slurm_query import job_state
+
+    return job_state(job_id)[0]
 
 
 def test_impossible_requests_fail_before_submission(slurm, tmp_path, capsys):
@@ -279,10 +382,16 @@ def test_train_requests_checked_against_the_config(capsys, tmp_path):
     cases = {
         ("--nodes", "1", "--gpus-per-node", "1"):
             "the config's pools need 2 devices (resources.devices=2) but --nodes 1 x --gpus-per-node 1 = 1",
-        ("--nodes", "2", "--gpus-per-node", "2", "resources.devices=3"):
-            "resources.devices=3 does not split over --nodes 2",
-        ("--nodes", "2", "--gpus-per-node", "2", "resources.pools.rm=1"):
-            "resources.pools.rm=1 does not split over --nodes 2",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.devices=3", "resources.pools.rm=2"):
+            "the config's pools need 5 devices (resources.devices=3, resources.pools.rm=2) but --nodes 2 x "
+            "--gpus-per-node 2 = 4",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.node_devices.default=[2,0]", "resources.pools.gen=2"):
+            "node 0 would hold 3 devices (default 2, gen 1) but has 2; change resources.node_devices or the pools "
+            "(--nodes 2 x --gpus-per-node 2)",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.node_devices.default=[1,0]"):
+            "resources.node_devices.default=[1, 0] places 1 devices but resources.devices=2: make them agree",
+        ("--nodes", "2", "--gpus-per-node", "2", "resources.node_devices.gen=[1,1]"):
+            "resources.node_devices names pool(s) ['gen'] that resources.pools does not define",
         ("--nodes", "2", "--gpus-per-node", "0"): "--gpus-per-node 0: `hybridrl train` places one worker per device",
         ("--nodes", "2", "--gpus-per-node", "1", "resources.ray_address=1.2.3.4:5"):
             "override resources.ray_address=... is set by the job",
@@ -294,6 +403,47 @@ def test_train_requests_checked_against_the_config(capsys, tmp_path):
         rc, out, err = submit_in_process(capsys, *base, *args)
         assert rc == 2 and message in err and not out, (args, err)
     assert not (tmp_path / "never").exists()
+
+
+def test_pools_on_whole_nodes_are_accepted_and_placed(capsys, tmp_path):
+    """Pools that do not stripe over every node are placed where they fit (whole nodes first) and the trainer gets
+    their devices per node; explicit placements pass through unchanged."""
+    def command(*args: str) -> str:
+        rc, script, err = submit_in_process(capsys, *args, "--dry-run", "--run-dir", str(tmp_path))
+        assert rc == 0, err
+        return next(line for line in script.splitlines() if line.startswith("COMMAND=("))
+
+    # the issue's request: actor + ref on 2 devices, generation on 1, two 4-GPU nodes (refused before)
+    line = command("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "4")
+    assert "resources.node_devices.gen=[1,0]" in line and "node_devices.default" not in line, line
+    # one device per node: the actor's pool on node 0, generation on node 1
+    line = command("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1", "resources.devices=1",
+                   "actor.parallel.tp=1")
+    assert "resources.node_devices.default=[1,0]" in line and "resources.node_devices.gen=[0,1]" in line, line
+    # whole nodes, given: kept as the user wrote them
+    line = command("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "8", "resources.devices=8",
+                   "resources.pools.gen=8", "resources.node_devices.default=[8,0]", "resources.node_devices.gen=[0,8]")
+    assert line.count("resources.node_devices") == 2, line
+
+
+def test_node_placement_rules():
+    from hybridrl.parallel.placement import PlacementError, fit_pools, resolve_node_devices
+
+    assert resolve_node_devices({"default": 4, "gen": 2}, 2, {}) == {"default": [2, 2], "gen": [1, 1]}
+    assert resolve_node_devices({"default": 8, "gen": 8}, 2, {"default": [8, 0], "gen": [0, 8]}) == \
+        {"default": [8, 0], "gen": [0, 8]}
+    with pytest.raises(PlacementError, match=r"or its devices per node: resources.node_devices.gen=\[...\]"):
+        resolve_node_devices({"default": 2, "gen": 1}, 2, {})
+    with pytest.raises(PlacementError, match="give one count >= 0 per node"):
+        resolve_node_devices({"default": 2}, 2, {"default": [2]})
+    assert fit_pools({"default": 16, "gen": 8, "rm": 8}, 4, 8, {}) == \
+        {"default": [4, 4, 4, 4], "gen": [2, 2, 2, 2], "rm": [2, 2, 2, 2]}
+    assert fit_pools({"default": 8, "gen": 8, "rm": 4}, 3, 8, {}) == \
+        {"default": [8, 0, 0], "gen": [0, 8, 0], "rm": [0, 0, 4]}  # whole nodes first
+    assert fit_pools({"default": 6, "gen": 2}, 2, 4, {}) == {"default": [3, 3], "gen": [1, 1]}
+    assert fit_pools({"default": 5, "gen": 3}, 2, 4, {}) == {"default": [4, 1], "gen": [0, 3]}
+    with pytest.raises(PlacementError, match=r"resources.pools.gen=3 does not fit: 2 device\(s\) are free"):
+        fit_pools({"default": 4, "gen": 3}, 2, 3, {"default": [3, 1]})
 
 
 def test_port_ip_and_slurm_string_helpers():

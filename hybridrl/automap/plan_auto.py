@@ -53,7 +53,8 @@ def build_report(args: argparse.Namespace) -> dict:
     prob = problem(args.rollout_pool)
     mapper = Mapper(prob, args.execution)
     result = mapper.search(top_k=args.top, rollout_pool=args.rollout_pool, alone=alone)
-    best = mapping_json(result.best, prob)
+    whole_nodes = result.execution.whole_nodes
+    best = _with_nodes(mapping_json(result.best, prob), mapper.nodes, acc.gpus_per_node, whole_nodes)
     best["trainer_step_s"] = _trainer_estimate(result.best, problem(False), args.execution)
     return {
         "model": args.model, "algorithm": args.algorithm, "gpus": args.gpus, "gpu": acc.describe(),
@@ -69,7 +70,8 @@ def build_report(args: argparse.Namespace) -> dict:
         "best": best,
         "by_placement": {kind: {"step_s": round(m.step_s, 4), "label": m.label} for kind, m in result.by_kind.items()},
         "candidates": {**result.counts, "search_s": round(result.seconds, 3),
-                       "top": [mapping_json(m, prob) for m in result.top]},
+                       "top": [_with_nodes(mapping_json(m, prob), mapper.nodes, acc.gpus_per_node, whole_nodes)
+                               for m in result.top]},
         "note": "modelled estimates (hybridrl/automap/cost.py), not measurements",
     }
 
@@ -80,6 +82,22 @@ def _reward_model(args: argparse.Namespace) -> str | None:
     if given is None:
         return None if getattr(args, "judge_model", None) else "same"
     return None if given == "none" else given
+
+
+def _with_nodes(mapping: dict, nodes: int, gpus_per_node: int, whole_nodes: bool) -> dict:
+    """Each pool's devices per node (`node_devices`, node 0 first): whole nodes handed out in placement order under
+    the hybridflow execution, an even share of every node under trainer's."""
+    start = 0
+    for pool in mapping["placement"].values():
+        devices = pool["devices"]
+        if nodes == 1 or not whole_nodes:
+            pool["node_devices"] = [devices // nodes] * nodes
+            continue
+        count = -(-devices // gpus_per_node)
+        pool["node_devices"] = [0] * start + [gpus_per_node] * (count - 1) + [devices - gpus_per_node * (count - 1)] \
+            + [0] * (nodes - start - count)
+        start += count
+    return mapping
 
 
 def _trainer_estimate(mapping: Mapping, prob, execution: str) -> float | None:
@@ -105,11 +123,6 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
                          "generation pipeline stages); rerun without --rollout-pool")
     gpus = report["gpus"]
     nodes = max(1, gpus // nodes_of) if gpus > nodes_of else 1
-    if any(pool["devices"] % nodes for pool in best["placement"].values()) or (
-            report["execution"]["name"] != "trainer" and nodes > 1 and len(best["placement"]) > 1):
-        raise ValueError("the best mapping places pools on whole nodes, but hybridrl's ResourcePool spreads every "
-                         "pool over all resources.nodes; rerun with --execution trainer to search the mappings "
-                         "hybridrl train runs")
     work, roles = report["workload"], best["roles"]
     tokens = work["prompt_len"] + work["response_len"]
     sequences = work["prompts"] * work["samples_per_prompt"]
@@ -128,6 +141,10 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
             pools[name] = pool["devices"]
     if pools:
         cfg["resources"]["pools"] = pools
+    splits = {name: pool["node_devices"] for name, pool in best["placement"].items()
+              if len(set(pool["node_devices"])) > 1}  # not an even share of every node: whole nodes
+    if nodes > 1 and splits:
+        cfg["resources"]["node_devices"] = splits
     for role, info in roles.items():
         section = role_section(cfg, role, create=True)
         par = info["parallel"]

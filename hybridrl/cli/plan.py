@@ -56,7 +56,7 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto", action="store_true", help="search placements and layouts for an RL step")
     group.add_argument("--algorithm", default="ppo", help="registered algorithm (ppo, remax, grpo, safe_rlhf, ...)")
     group.add_argument("--gpus", type=int, help="devices to map onto (required with --auto)")
-    group.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS), help="device type")
+    group.add_argument("--gpu", default="a100-80g", help=f"device type: {', '.join(sorted(GPUS))}")
     group.add_argument("--nodes-of", type=int, default=8, help="GPUs per node")
     group.add_argument("--inter-node-gbps", type=float, help="inter-node link per node in Gb/s (default: the "
                                                              "GPU preset's: 200 for a100-80g, 3200 for h100/h200)")
@@ -214,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_auto(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    if args.gpu not in GPUS:  # checked here, not by argparse: one line, not its usage block
+        print(f"hybridrl plan --auto: --gpu {args.gpu!r} is not a known device type; choose one of "
+              f"{', '.join(sorted(GPUS))}", file=sys.stderr)
+        return 2
     try:
         report = plan_auto.build_report(_resolved(args))
         report["model"] = args.model  # as given (a hub id, not its cache folder)

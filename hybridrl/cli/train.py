@@ -159,17 +159,13 @@ def _interrupted(exc, steps_done: int, run_dir) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # start-up time: torch and the trainer load for a run, not for every `hybridrl` command's parser
-    from hybridrl.controller.interrupts import stop_on_signals
     from hybridrl.trainer.loop import RLTrainer
-    from hybridrl.trainer.run import run_training
     from hybridrl.trainer.plan import plan_run
 
     config, overrides = _split(args)
-    auto_map = None
     try:
         cfg = load_config(config or DEFAULT_CONFIG, overrides)
-        if cfg.resources.auto_map:  # choose pools and layouts for this machine (hybridrl/automap/apply.py)
-            auto_map = apply_auto_map(cfg)
+        auto_map = apply_auto_map(cfg) if cfg.resources.auto_map else None  # pools and layouts for this machine
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
@@ -178,41 +174,85 @@ def run(args: argparse.Namespace) -> int:
         _check_checkpointing(cfg)
         trainer = RLTrainer(cfg, plan)
         if getattr(args, "check", False):
+            _check_user_code(cfg, plan, trainer.loader.dataset)
             print(f"config ok: {cfg.algorithm.name}, {len(trainer.loader.dataset)} prompts, "
                   + ", ".join(f"{r.name}@{r.pool}({r.layout.describe()})" for r in plan.roles.values()))
             return EXIT_CODES["done"]
         run_dir, resume_from = _resume_target(cfg)
         lock_run_dir(run_dir)
+        tracker = _open_run_folder(run_dir, cfg, plan, auto_map)
     except ConfigError as exc:
         print(f"hybridrl train: config error: {exc}", file=sys.stderr)
         return EXIT_CODES["config"]
     except MachineError as exc:
         print(f"hybridrl train: {exc}", file=sys.stderr)
         return EXIT_CODES["machine"]
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    print(f"run folder: {run_dir}", flush=True)
-    if auto_map is not None:
-        (run_dir / "auto_map.json").write_text(json.dumps(auto_map, indent=1))
-        best = auto_map["best"]
-        print(f"auto_map: {best['label']} ({best['kind']}), modelled {best['estimate']['step_s']:.3f} s/step on "
-              f"{auto_map['machine']}", flush=True)
-    roles = ", ".join(f"{r.name}@{r.pool}({r.layout.describe()})" for r in plan.roles.values())
-    print(f"{cfg.algorithm.name}: {roles}; rollout {cfg.rollout.engine} tp={cfg.rollout.tp}", flush=True)
-    tracker = MetricsTracker(run_dir, backends=list(cfg.trainer.trackers), project=cfg.trainer.project,
-                             config=cfg, total_steps=cfg.trainer.steps)
     if resume_from is not None:
         print(f"resuming from {resume_from}", flush=True)
-    failure = None
+    return _train(cfg, trainer, tracker, run_dir, resume_from)
+
+
+def _check_user_code(cfg, plan, dataset) -> None:
+    """--check runs the user's code once on the first prompt row: the reward (and cost) function on a sample
+    response, the environment's reset. A function that raises or returns no number is a config error."""
+    # start-up time: torch (see run)
+    from hybridrl.envs import make_env
+    from hybridrl.workers.rule_reward import RewardFunctionError, RuleReward
+
+    row = dataset[0]
+    sample = str(row.metadata.get("answer", "")) or "a sample response"
+    for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):
+        if path:
+            try:
+                RuleReward(path).score([row.text], [sample], [row.metadata])
+            except RewardFunctionError as exc:
+                raise ConfigError(f"{option}: {exc} (--check calls it on the first prompt row)") from None
+    if cfg.rollout.env:
+        try:
+            make_env(cfg.rollout.env, **dict(cfg.rollout.env_kwargs)).reset({"prompt": row.text, **row.metadata})
+        except Exception as exc:  # noqa: BLE001 - user code: one line naming it
+            raise ConfigError(f"rollout.env={cfg.rollout.env}: reset raised {type(exc).__name__}: {exc} on the "
+                              f"first prompt row (--check)") from None
+
+
+def _open_run_folder(run_dir, cfg, plan, auto_map) -> MetricsTracker:
+    """config.yaml, auto_map.json and the trackers' files in the run folder (a full disk: MachineError)."""
+    try:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        print(f"run folder: {run_dir}", flush=True)
+        if auto_map is not None:
+            (run_dir / "auto_map.json").write_text(json.dumps(auto_map, indent=1))
+            best = auto_map["best"]
+            print(f"auto_map: {best['label']} ({best['kind']}), modelled {best['estimate']['step_s']:.3f} s/step on "
+                  f"{auto_map['machine']}", flush=True)
+        roles = ", ".join(f"{r.name}@{r.pool}({r.layout.describe()})" for r in plan.roles.values())
+        print(f"{cfg.algorithm.name}: {roles}; rollout {cfg.rollout.engine} tp={cfg.rollout.tp}", flush=True)
+        return MetricsTracker(run_dir, backends=list(cfg.trainer.trackers), project=cfg.trainer.project,
+                              config=cfg, total_steps=cfg.trainer.steps)
+    except OSError as exc:
+        raise MachineError.writing(run_dir, exc) from None
+
+
+def _train(cfg, trainer, tracker, run_dir, resume_from) -> int:
+    """Train, close the workers, and end with one line (exit codes: EXIT_CODES)."""
+    # start-up time: torch and Ray (see run)
+    from hybridrl.controller.interrupts import stop_on_signals
+    from hybridrl.trainer.run import run_training
+
+    failure, closed = None, True
     try:
         trainer.start_ray()  # Ray installs its own SIGTERM handler; ours goes on top of it
-        with stop_on_signals():
+        with stop_on_signals(_signal_deferral(cfg.trainer)):
             run_training(trainer, tracker, run_dir, resume_from)
     except BaseException as exc:  # noqa: BLE001 - known stops become one line below, the rest is re-raised
         failure = exc
     finally:
-        trainer.close()
-        tracker.plot()
-        tracker.close()
+        closed = _close(trainer, failure)
+        try:
+            tracker.plot()
+            tracker.close()
+        except OSError as exc:  # a full disk: said below, after the failure that came first
+            failure = failure or MachineError.writing(run_dir, exc)
     if failure is None:
         print(f"done: {trainer.step} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
         return EXIT_CODES["done"]
@@ -222,7 +262,43 @@ def run(args: argparse.Namespace) -> int:
         raise failure
     code, message = outcome
     print(f"hybridrl train: {message}", file=sys.stderr, flush=True)
+    if not closed:  # Ray is dead or would not close: its exit hooks would wait a minute for its GCS
+        sys.stdout.flush()
+        os._exit(code)
     return code
+
+
+SHUTDOWN_RESERVE_S = 10.0  # of trainer.signal_grace_s: closing the workers and writing the last line
+CLOSE_LIMIT_S = 10.0  # an interrupted run that cannot close its workers in this long abandons them
+
+
+def _signal_deferral(tr) -> float | None:
+    """With trainer.save_on_signal, how long a stop signal may wait for the step in flight and its save."""
+    return max(0.0, tr.signal_grace_s - SHUTDOWN_RESERVE_S) if tr.save_on_signal else None
+
+
+def _close(trainer, failure: BaseException | None) -> bool:
+    """Close the workers. After a stop signal, within CLOSE_LIMIT_S and only while Ray still answers (a signal
+    sent to every process of a job, as Slurm and systemd do, kills Ray's daemons too): otherwise the local
+    cluster is abandoned (its processes killed, its temp folder removed) and False is returned."""
+    import threading
+
+    # start-up time: Ray (see run)
+    from hybridrl.controller.interrupts import Interrupted
+    from hybridrl.controller.ray_cluster import abandon_local_cluster, ray_alive
+
+    if not isinstance(failure, Interrupted):
+        trainer.close()
+        return True
+    if ray_alive():
+        closing = threading.Thread(target=trainer.close, name="close-after-signal", daemon=True)
+        closing.start()
+        closing.join(CLOSE_LIMIT_S)
+        if not closing.is_alive():
+            return True
+        logger.warning("the workers did not close within %.0f s of the stop signal; killing them", CLOSE_LIMIT_S)
+    abandon_local_cluster()
+    return False
 
 
 def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | None:
@@ -238,6 +314,8 @@ def _outcome(exc: BaseException, steps_done: int, run_dir) -> tuple[int, str] | 
 
     if isinstance(exc, Interrupted):
         return exc.exit_code, _interrupted(exc, steps_done, run_dir)
+    if isinstance(exc, MachineError):  # a full disk during a save, Ray that could not start on this machine
+        return EXIT_CODES["machine"], str(exc)
     if isinstance(exc, NonFiniteError):
         return EXIT_CODES["non_finite"], f"stopped: {exc}"
     if isinstance(exc, RestartsExhaustedError):

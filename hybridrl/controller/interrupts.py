@@ -6,15 +6,21 @@ that polling code takes for a timeout. Ray's `init` also replaces the SIGTERM ha
 which tears the process down mid-call (exit 134 and a C++ stack dump). So `stop_on_signals()`, entered after
 Ray is up, only records the signal; the controller's wait loop (`raise_if_requested`, every 0.5 s) raises
 it. A second signal gets the default behaviour, so a stuck shutdown can still be forced.
+
+`stop_on_signals(defer_s=S)` (trainer.save_on_signal) holds the signal back for up to S seconds: the wait loop
+lets the calls in flight finish, and the trainer, between steps, sees `pending()` and saves one more checkpoint
+before it raises; past S seconds the loop raises wherever it is (the scheduler's SIGKILL follows soon).
 """
 from __future__ import annotations
 
 import signal
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_requested: list[int] = []  # the signal received and not yet raised
+_requested: list[tuple[int, float]] = []  # the signal received and not yet raised, and when
+_defer_s: list[float] = []  # while set: how long a received signal may wait for the step and its save
 
 
 class Interrupted(BaseException):
@@ -29,25 +35,46 @@ class Interrupted(BaseException):
 
 
 def raise_if_requested() -> None:
+    """Raise a received signal, unless it is deferred (save_on_signal) and its time is not up yet."""
+    if _requested and (not _defer_s or time.monotonic() - _requested[-1][1] >= _defer_s[0]):
+        raise Interrupted(_requested.pop()[0])
+
+
+def pending() -> Interrupted | None:
+    """A deferred signal not raised yet (the trainer saves, then raises it), else None."""
+    return Interrupted(_requested[-1][0]) if _requested else None
+
+
+def seconds_left() -> float:
+    """Of a deferred signal's time: what remains (inf when no signal is waiting or none is deferred)."""
+    if not (_requested and _defer_s):
+        return float("inf")
+    return _defer_s[0] - (time.monotonic() - _requested[-1][1])
+
+
+def raise_pending() -> None:
     if _requested:
-        raise Interrupted(_requested.pop())
+        raise Interrupted(_requested.pop()[0])
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[None]:
+def stop_on_signals(defer_s: float | None = None) -> Iterator[None]:
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
 
     def on_signal(signum, _frame):
         for sig in SIGNALS:  # the next one is not caught: a hung shutdown can be forced
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
-        _requested.append(signum)
+        _requested.append((signum, time.monotonic()))
 
     for sig in SIGNALS:
         signal.signal(sig, on_signal)
+    if defer_s is not None:
+        _defer_s.append(max(0.0, defer_s))
     try:
         yield
-        raise_if_requested()  # a signal during the last step's bookkeeping
+        raise_pending()  # a signal during the last step's bookkeeping
     finally:
         _requested.clear()
+        _defer_s.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -4,7 +4,8 @@ Ray's workers follow a dead raylet within seconds, but its dashboard and runtime
 reconnect (about a minute), holding memory and ports. `start_reaper(pid)` launches a small process of its own
 session (plain Python + psutil, no hybridrl import: ~20 MB): every second it records the driver's descendants
 (pid + start time, so a reused pid is never hit); once the driver is gone it kills those still running and
-exits. `stop_reaper()` ends it when the driver shuts its cluster down itself.
+exits; then it removes the workers' temp folder. `stop_reaper()` ends it when the driver shuts its cluster down
+itself.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import subprocess
 import sys
 
 _SOURCE = r'''
-import os, sys, time
+import os, shutil, sys, time
 import psutil
 try:
     driver = psutil.Process(int(sys.argv[1]))
@@ -27,21 +28,31 @@ while driver.is_running() and driver.status() != psutil.STATUS_ZOMBIE:
     except psutil.Error:
         pass
     time.sleep(1.0)
+killed = []
 for pid, started in seen.items():
     try:
         process = psutil.Process(pid)
         if process.create_time() == started:
             process.kill()
+            killed.append(process)
     except psutil.Error:
         pass
+if len(sys.argv) > 2:  # the workers' temp folder, once its writers are gone
+    psutil.wait_procs(killed, timeout=5)
+    shutil.rmtree(sys.argv[2], ignore_errors=True)
 '''
 _running: list[subprocess.Popen] = []
 
 
-def start_reaper(driver_pid: int) -> None:
-    _running.append(subprocess.Popen([sys.executable, "-I", "-c", _SOURCE, str(driver_pid)],
+def start_reaper(driver_pid: int, temp_dir: str | None = None) -> None:
+    folder = [temp_dir] if temp_dir else []
+    _running.append(subprocess.Popen([sys.executable, "-I", "-c", _SOURCE, str(driver_pid), *folder],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True))  # not in the driver's process group: Ctrl-C spares it
+
+
+def reaper_pids() -> list[int]:
+    return [reaper.pid for reaper in _running]
 
 
 def stop_reaper() -> None:

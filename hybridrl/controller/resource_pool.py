@@ -39,18 +39,23 @@ class PoolProcesses(Protocol):
 class ResourcePool:
     """Devices for one or more roles.
 
-    ResourcePool(devices=4)                       4 devices on one node
-    ResourcePool(nodes=2, devices_per_node=8)     16 devices, 8 per node
-    ResourcePool(devices=["cuda:0", "cuda:1"])    an explicit device list (one node)
-    ResourcePool.default(devices=4)               the pool of roles created without one (default(): all devices)
+    ResourcePool(devices=4)                         4 devices on one node
+    ResourcePool(nodes=2, devices_per_node=8)       16 devices, 8 per node
+    ResourcePool(nodes=2, devices_per_node=[0, 8])  8 devices, all on the run's second node (whole nodes)
+    ResourcePool(devices=["cuda:0", "cuda:1"])      an explicit device list (one node)
+    ResourcePool.default(devices=4)                 the pool of roles created without one (default(): all devices)
+
+    On several nodes each node's devices are pinned to the k-th node of the cluster (`cluster_nodes`: the driver's
+    node first, then the others by name), so pools given disjoint nodes get them.
     """
 
     devices: int | list[str] | None = None
     nodes: int = 1
-    devices_per_node: int | None = None
+    devices_per_node: int | list[int] | None = None
     name: str = "pool"
     placement_timeout_s: float = 120.0
     device_labels: list[str] = field(init=False)
+    node_split: list[int] = field(init=False)  # devices on each node of the run (zeros: nodes it leaves out)
     _placement_groups: list[Any] = field(default_factory=list, init=False, repr=False)
     _hosts: PoolProcesses | None = field(default=None, init=False, repr=False)
     _cluster: str | None = field(default=None, init=False, repr=False)  # the Ray cluster (GCS) it was placed on
@@ -58,6 +63,11 @@ class ResourcePool:
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or self.nodes < 1:
             raise ResourcePoolError(f"ResourcePool: nodes must be a positive integer, got {self.nodes!r}")
+        if isinstance(self.devices_per_node, (list, tuple)):
+            self.node_split = self._checked_split(list(self.devices_per_node))
+            self.devices_per_node = max(self.node_split)
+            self.device_labels = [f"cuda:{i}" for n in self.node_split for i in range(n)]
+            return
         if isinstance(self.devices, (list, tuple)):
             labels = list(self.devices)
             bad = [d for d in labels if not isinstance(d, str) or not _DEVICE_PATTERN.match(d)]
@@ -75,7 +85,7 @@ class ResourcePool:
             if self.devices_per_node is None:
                 if self.devices % self.nodes:
                     raise ResourcePoolError(f"ResourcePool: devices={self.devices} does not split evenly over "
-                                            f"nodes={self.nodes}; give devices_per_node")
+                                            f"nodes={self.nodes}; give devices_per_node (a count, or one per node)")
                 self.devices_per_node = self.devices // self.nodes
             if self.devices_per_node * self.nodes != self.devices:
                 raise ResourcePoolError(f"ResourcePool: devices={self.devices} != nodes*devices_per_node = "
@@ -86,6 +96,16 @@ class ResourcePool:
                 raise ResourcePoolError("ResourcePool: give devices=N, devices=[...] or nodes= and devices_per_node=")
             labels = [f"cuda:{i}" for i in range(self.devices_per_node)] * self.nodes
         self.device_labels = labels
+        self.node_split = [self.devices_per_node] * self.nodes
+
+    def _checked_split(self, split: list[int]) -> list[int]:
+        if len(split) != self.nodes or any(not isinstance(n, int) or n < 0 for n in split) or not sum(split):
+            raise ResourcePoolError(f"ResourcePool: devices_per_node={split} must give one count >= 0 per node "
+                                    f"(nodes={self.nodes}), at least one above 0")
+        if self.devices is not None and self.devices != sum(split):
+            raise ResourcePoolError(f"ResourcePool: devices={self.devices} but devices_per_node={split} places "
+                                    f"{sum(split)}")
+        return split
 
     @classmethod
     def default(cls, devices: int | list[str] | None = None, nodes: int = 1,
@@ -123,7 +143,15 @@ class ResourcePool:
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.devices_per_node
+        return sum(self.node_split)
+
+    def local_world_size(self, rank: int) -> int:
+        """Devices of this pool on the node that holds `rank` (ranks are node-major)."""
+        for devices in self.node_split:
+            if rank < devices:
+                return devices
+            rank -= devices
+        raise ValueError(f"rank {rank} is outside pool {self.name!r}")
 
     @property
     def layout(self) -> ParallelLayout | None:
@@ -132,7 +160,8 @@ class ResourcePool:
         return self._hosts.layout if self._hosts is not None else None
 
     def placement_groups(self) -> list[Any]:
-        """One STRICT_PACK placement group per node, each with one {"GPU": 1} bundle per device (created once)."""
+        """One STRICT_PACK placement group per node holding devices of the pool, each with one {"GPU": 1} bundle
+        per device (created once); on several nodes each pinned to its node of the cluster."""
         if self._placement_groups:
             return self._placement_groups
         import ray
@@ -142,24 +171,30 @@ class ResourcePool:
         if available < self.world_size:
             raise ResourcePoolError(f"ResourcePool {self.name!r} needs {self.world_size} devices but Ray has "
                                     f"{available:g} GPUs in total; start Ray with more devices or shrink the pool")
-        groups = [placement_group([{"GPU": 1}] * self.devices_per_node, strategy="STRICT_PACK",
-                                  name=f"hybridrl-{self.name}-{id(self):x}-node{node}")
-                  for node in range(self.nodes)]
+        pins = cluster_nodes() if self.nodes > 1 else [None]
+        if len(pins) < self.nodes:
+            raise ResourcePoolError(f"ResourcePool {self.name!r} spans {self.nodes} nodes but the Ray cluster has "
+                                    f"{len(pins)} with GPUs; start Ray on every node or lower resources.nodes")
+        groups = [placement_group([{"GPU": 1, **({pins[node]: 0.001} if pins[node] else {})}] * devices,
+                                  strategy="STRICT_PACK", name=f"hybridrl-{self.name}-{id(self):x}-node{node}")
+                  for node, devices in enumerate(self.node_split) if devices]
         ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=self.placement_timeout_s)
         if len(ready) != len(groups):
             for group in groups:
                 remove_placement_group(group)
-            raise ResourcePoolError(f"ResourcePool {self.name!r}: {self.nodes} node(s) x {self.devices_per_node} "
-                                    f"free devices not found within {self.placement_timeout_s:.0f}s (other pools "
-                                    "hold them?); free devices or shrink the pool")
+            raise ResourcePoolError(f"ResourcePool {self.name!r}: free devices not found within "
+                                    f"{self.placement_timeout_s:.0f}s for {self.node_split} device(s) per node (other "
+                                    "pools hold them?); free devices or shrink the pool")
         self._placement_groups = groups
         self._cluster = ray.get_runtime_context().gcs_address
-        logger.info("pool %r placed: %d node(s) x %d device(s)", self.name, self.nodes, self.devices_per_node)
+        logger.info("pool %r placed: %s device(s) per node", self.name, self.node_split)
         return groups
 
     def bundles(self) -> list[tuple[Any, int, int]]:
         """(placement group, bundle index, local rank) for each global rank, node-major."""
-        return [(group, index, index) for group in self.placement_groups() for index in range(self.devices_per_node)]
+        devices = [n for n in self.node_split if n]
+        return [(group, index, index) for group, count in zip(self.placement_groups(), devices)
+                for index in range(count)]
 
     def shutdown(self) -> None:
         """Kill the pool's worker processes and release its devices."""
@@ -196,3 +231,14 @@ def _default_size() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return {"devices": torch.cuda.device_count()}
     return {"devices": DEFAULT_CPU_DEVICES}
+
+
+def cluster_nodes() -> list[str]:
+    """The Ray resource that pins a bundle to each node with GPUs, in the run's node order: the driver's node first,
+    then the others by node name (Slurm's order for names like n1, n2 or gpu001, gpu002), then address."""
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    alive = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
+    alive.sort(key=lambda n: (n["NodeManagerAddress"] != here, n.get("NodeName", ""), n["NodeManagerAddress"]))
+    return [f"node:{n['NodeManagerAddress']}" for n in alive]

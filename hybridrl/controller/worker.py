@@ -85,6 +85,14 @@ class Worker:
         return distributed.device()
 
 
+def rendezvous_host(loopback: bool) -> str:
+    """Where this worker's rendezvous and collectives listen: loopback when the whole cluster is one node, else the
+    node's cluster address (the one Ray runs on: --node-ip-address, HYBRIDRL_NODE_IP in a Slurm job)."""
+    import ray
+
+    return "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+
+
 @dataclass
 class RemoteFailure:
     """An exception raised inside a worker, carried back as data (so it never hides behind Ray's wrapping)."""
@@ -180,16 +188,25 @@ class WorkerHost:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "threads": torch.get_num_threads(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
-    def publish_master_address(self) -> tuple[str, int]:
-        """Rank 0 picks a free port on its own node address for the process-group rendezvous."""
-        import ray
-
-        address = ray.util.get_node_ip_address()
+    def publish_master_address(self, loopback: bool = False) -> tuple[str, int]:
+        """A free port for a rendezvous that spans pools (the bridge): on loopback in a one-node cluster, else on
+        this node's cluster address (never every interface)."""
+        address = rendezvous_host(loopback)
         return address, distributed.free_port(address)
+
+    def open_rendezvous(self, loopback: bool = False) -> tuple[str, int]:
+        """Rank 0 opens the pool's rendezvous listener, on loopback in a one-node cluster, else on its node's
+        cluster address; the store serves on it (init_process_group), so no other interface ever listens."""
+        address = rendezvous_host(loopback)
+        self._listener = distributed.bound_listener(address)
+        return address, self._listener.getsockname()[1]
 
     def init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> int:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        distributed.init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s)
+        distributed.pin_collectives_to(master_addr if master_addr.startswith("127.") else rendezvous_host(False))
+        listener = getattr(self, "_listener", None)
+        distributed.init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s,
+                                     listen_fd=listener.detach() if listener is not None else None)
         self.master = (master_addr, master_port)
         return self.rank
 
@@ -238,5 +255,6 @@ class WorkerHost:
             return self._failure(hybridrl_role, hybridrl_method, exc)
 
     def _failure(self, role: str, method: str, exc: BaseException) -> RemoteFailure:
-        logger.error("role %s rank %d: %s raised %s: %s", role, self.rank, method, type(exc).__name__, exc)
+        first_line = (str(exc).strip().splitlines() or [""])[0]  # the traceback goes to the driver (RUN/error.log)
+        logger.error("role %s rank %d: %s raised %s: %s", role, self.rank, method, type(exc).__name__, first_line)
         return RemoteFailure(role, self.rank, method, type(exc).__name__, str(exc), traceback.format_exc())

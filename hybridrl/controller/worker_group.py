@@ -80,7 +80,7 @@ def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method
         try:
             value = values[ref] if ref in values else ray.get(ref, timeout=60)
         except RayActorError as exc:
-            raise WorkerDiedError(role, rank, method, f"worker process died: {exc}") from exc
+            raise WorkerDiedError(role, rank, method, f"worker process died ({death_summary(exc)})") from exc
         except RayTaskError as exc:  # the host itself failed (not the role's code)
             raise WorkerError(role, rank, method, str(exc).splitlines()[0], str(exc)) from exc
         except GetTimeoutError as exc:
@@ -94,6 +94,21 @@ def _poll_ranks(refs: dict[int, Any], results: dict[int, Any], role: str, method
         first = failures[0]
         raise WorkerError(first.role, first.rank, first.method, f"{first.exc_type}: {first.message}", first.traceback)
     return not pending
+
+
+def death_summary(exc: BaseException) -> str:
+    """Ray's multi-line ActorDiedError as one line: the process (pid, address) and Ray's reason for its death."""
+    fields, reason = {}, []
+    for line in str(exc).splitlines()[1:]:
+        key, sep, value = line.strip().partition(": ")
+        if line.startswith("\t") and sep and key in ("pid", "ip"):
+            fields[key] = value
+        elif line.strip() and not line.startswith("\t"):
+            reason.append(line.strip())
+    where = " ".join(f"{k} {v}" for k, v in fields.items())
+    text = " ".join(reason) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    text = text.split(" Some common causes include")[0]  # Ray's advice paragraph; the cause stays
+    return f"{where}: {text}" if where else text
 
 
 def _raise_if_a_peer_dies(pending: dict[Any, int], role: str, method: str) -> None:
@@ -111,7 +126,8 @@ def _raise_if_a_peer_dies(pending: dict[Any, int], role: str, method: str) -> No
             try:
                 ray.get(ref, timeout=0)
             except RayActorError as exc:
-                raise WorkerDiedError(role, pending[ref], method, f"worker process died: {exc}") from exc
+                raise WorkerDiedError(role, pending[ref], method, f"worker process died ({death_summary(exc)})") \
+                    from exc
             except Exception:  # noqa: BLE001 - another failure or a result: the first error stands
                 pass
 
@@ -234,15 +250,17 @@ class _PoolHosts:
         self.actors = []
         for rank, (group, bundle, local_rank) in enumerate(pool.bundles()):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+            # named for the cluster's actor table (launch/actor_report.py: which pool ran where)
+            name = f"hybridrl:{pool.name}:rank{rank}:{id(self):x}"
             self.actors.append(host_cls.options(num_cpus=0, num_gpus=1, scheduling_strategy=strategy,
-                                                max_restarts=0, name=None).remote(
-                pool.name, rank, pool.world_size, local_rank, pool.devices_per_node))
+                                                max_restarts=0, name=name).remote(
+                pool.name, rank, pool.world_size, local_rank, pool.local_world_size(rank)))
         what = f"pool {pool.name!r} start"
         try:
             self.info = _wait_ranks({r: a.info.remote() for r, a in enumerate(self.actors)}, pool.name, what,
                                     start_timeout_s)
-            address, port = _wait_ranks({0: self.actors[0].publish_master_address.remote()}, pool.name, what,
-                                        start_timeout_s)[0]
+            address, port = _wait_ranks({0: self.actors[0].open_rendezvous.remote(one_node_cluster())}, pool.name,
+                                        what, start_timeout_s)[0]
             _wait_ranks({r: a.init_process_group.remote(address, port, process_group_timeout_s)
                          for r, a in enumerate(self.actors)}, pool.name, "init_process_group", start_timeout_s)
         except BaseException:
@@ -270,6 +288,13 @@ class _PoolHosts:
         # ray.kill only asks; waiting for this node's hosts to be gone keeps Ray's own shutdown, right after,
         # from SIGTERMing them half-way through their exit
         _wait_exited(getattr(self, "local_pids", {}).values(), timeout_s=10)
+
+
+def one_node_cluster() -> bool:
+    """Whether the Ray cluster is one machine: then every rendezvous and collective listens on loopback only."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive")) == 1
 
 
 def _wait_exited(pids, timeout_s: float) -> None:
@@ -335,7 +360,7 @@ class WorkerGroup:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """A free (host, port) on rank 0's node: where a group spanning this pool and another one meets."""
-        return _wait_ranks({0: self._hosts.actors[0].publish_master_address.remote()}, self.role,
+        return _wait_ranks({0: self._hosts.actors[0].publish_master_address.remote(one_node_cluster())}, self.role,
                            "rendezvous_address", self.call_timeout_s)[0]
 
     @property

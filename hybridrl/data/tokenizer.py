@@ -83,15 +83,26 @@ def create_char_tokenizer(out_dir: str | Path) -> int:
 
 def load_tokenizer(path: str | Path | None = None):
     """AutoTokenizer for `path`; None: the bundled character tokenizer."""
-    from transformers import AutoTokenizer
-
     directory = Path(path) if path is not None else BUNDLED_TOKENIZER_DIR
     if not (directory / "tokenizer_config.json").is_file() and not (directory / "tokenizer.json").is_file():
         raise FileNotFoundError(
             f"no tokenizer in {str(directory)!r} (expected tokenizer.json / tokenizer_config.json; "
             "create the bundled one with `python -m hybridrl.data.make_task`)"
         )
+    if _tokenizer_class(directory) == "PreTrainedTokenizerFast":  # what AutoTokenizer returns for it, without
+        from transformers import PreTrainedTokenizerFast        # importing every model class (~2 s)
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(directory))
+
+
+def _tokenizer_class(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def tokenizer_for(model_path: str | Path, tokenizer: Any = None):

@@ -1,126 +1,84 @@
-"""Run model-written Python in a child process with limits: the Python execution tool's engine.
+"""Where model-written code runs: the sandbox registry, the limits every sandbox enforces, and `run_python`.
 
-What it enforces, and how:
-- time: wall-clock `timeout_s` (the whole process group is killed) and RLIMIT_CPU;
-- memory: RLIMIT_AS (address space), so a runaway allocation fails with MemoryError;
-- processes: fork / exec / spawn / subprocess / os.system are refused by an audit hook (RLIMIT_NPROC does not
-  bind root, so the hook is what stops a fork bomb); RLIMIT_NPROC is set as well for non-root users;
-- network: socket creation, connect and bind are refused by the audit hook;
-- files: the code runs in a scratch directory that is removed afterwards; opening a file for writing,
-  creating, removing or renaming anything outside it is refused by the audit hook; RLIMIT_FSIZE caps file size;
-- native escapes: importing ctypes / cffi is refused (they would bypass the hooks).
-The child is `python -I` (isolated: no user site, no PYTHONPATH) with an empty environment.
+A sandbox is registered by name (`@register_sandbox`) and chosen with `rollout.tool_sandbox`:
 
-Audit hooks act on Python-level operations; they are a guard rail for a model's mistakes and casual
-misbehaviour, not a security boundary against a determined attacker. Run untrusted production workloads in a
-container or gVisor sandbox as well.
+    bwrap   an OS-level sandbox (bubblewrap, hybridrl/envs/sandbox_bwrap.py): its own PID, network, mount, IPC and
+            UTS namespaces, an unprivileged user, a read-only minimal filesystem with only a size-capped scratch
+            folder writable, an empty environment, a seccomp filter (x86_64), kernel resource limits
+    remote  an HTTP sandbox service (SandboxFusion's `/run_code` API, sandbox_remote.py) for clusters whose nodes
+            cannot run bubblewrap
+    guard   the in-process guard (sandbox_guard.py): a child interpreter with audit hooks and resource limits. It
+            stops a model's mistakes, not a determined attacker (code can switch the hooks off); opt-in only
+    none    a child interpreter with the resource limits and an empty environment, no isolation at all: only for
+            code you trust or a run that is already inside a sandbox (a gVisor / Firecracker container)
+    auto    the strongest one that can start here: bwrap, else the tools are refused (SandboxUnavailable)
+
+Every local sandbox runs through `run_process`: the parent enforces the wall-clock deadline and the total output
+(it reads the pipes itself, up to `max_output_bytes`, and never waits for an end of file that a child holding the
+pipes could withhold), and kills the whole process tree at the deadline.
 """
 from __future__ import annotations
 
-import os
-import resource
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+from hybridrl.envs import sandbox_bwrap, sandbox_guard, sandbox_remote  # noqa: F401  (register the sandboxes)
+from hybridrl.envs.sandbox_base import (SANDBOXES, Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable,
+                                        register_sandbox)
 
-# Runs in the child before the user's code; RuntimeError messages name the rule that was broken.
-_GUARD = r'''
-import os, sys
-_SCRATCH = os.path.realpath(os.getcwd())
-_REFUSED_IMPORTS = {"ctypes", "_ctypes", "cffi"}
-_PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-                   "subprocess.Popen", "pty.spawn", "os.startfile", "os.kill", "os.killpg"}
-_PATH_EVENTS = {"os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.symlink", "os.link", "os.chmod",
-                "os.chown", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+__all__ = ["SANDBOXES", "Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "register_sandbox",
+           "resolve_sandbox", "set_default_sandbox", "default_sandbox", "run_python"]
 
-def _inside(path):
-    try:
-        real = os.path.realpath(os.fsdecode(path))
-    except (TypeError, ValueError):
-        return True  # a file descriptor: opened earlier, already checked
-    return real == _SCRATCH or real.startswith(_SCRATCH + os.sep)
-
-def _guard(event, args):
-    if event in _PROCESS_EVENTS:
-        raise RuntimeError("sandbox: starting or signalling processes is not allowed")
-    if event.startswith("socket.") and event != "socket.gethostname":
-        raise RuntimeError("sandbox: network access is not allowed")
-    if event == "import" and args[0].split(".")[0] in _REFUSED_IMPORTS:
-        raise RuntimeError(f"sandbox: importing {args[0]} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = (mode is not None and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
-        if writing and not _inside(path):
-            raise PermissionError(f"sandbox: writing outside the scratch directory is not allowed: {path}")
-    if event in _PATH_EVENTS:
-        for arg in args[:2]:
-            if isinstance(arg, (str, bytes, os.PathLike)) and not _inside(arg):
-                raise PermissionError(f"sandbox: changing files outside the scratch directory is not allowed: {arg}")
-
-sys.addaudithook(_guard)
-del _guard
-_source = sys.stdin.read()
-exec(compile(_source, "<tool code>", "exec"), {"__name__": "__main__"})
-'''
+STRONGEST_FIRST = ("bwrap",)  # what `auto` may pick, in order; remote needs a URL, guard and none an explicit choice
 
 
-@dataclass
-class SandboxResult:
-    stdout: str
-    stderr: str
-    exit_code: int | None  # None: killed for the time limit
-    timed_out: bool
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
-
-    def observation(self) -> str:
-        """What the model sees: the output, or one line saying why the run stopped."""
-        if self.timed_out:
-            return f"error: time limit exceeded\n{self.stdout}".rstrip()
-        if self.exit_code != 0:
-            last = self.stderr.strip().splitlines()[-1] if self.stderr.strip() else f"exit code {self.exit_code}"
-            if self.exit_code is not None and self.exit_code < 0:
-                last = f"killed by signal {signal.Signals(-self.exit_code).name} (a resource limit)"
-            return f"error: {last}\n{self.stdout}".rstrip()
-        return self.stdout
+def resolve_sandbox(kind: str = "auto", url: str | None = None) -> Sandbox:
+    """The sandbox `rollout.tool_sandbox=kind` names, started once to check that it can; SandboxUnavailable (one
+    line: why, and the options) when it cannot."""
+    if kind == "auto":
+        reasons = []
+        for name in STRONGEST_FIRST:
+            reason = SANDBOXES[name].unavailable()
+            if reason is None:
+                return SANDBOXES[name]()
+            reasons.append(f"{name}: {reason}")
+        raise SandboxUnavailable(f"rollout.tool_sandbox=auto: no OS-level sandbox can start here "
+                                 f"({'; '.join(reasons)}); {_ALTERNATIVES}")
+    cls = SANDBOXES.lookup(kind, f"rollout.tool_sandbox={kind!r}")
+    reason = cls.unavailable()
+    if reason is not None:
+        raise SandboxUnavailable(f"rollout.tool_sandbox={kind}: {reason}; {_ALTERNATIVES}")
+    return cls(url)
 
 
-def _limits(memory_mb: int, cpu_s: int, file_mb: int, processes: int):
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb << 20, file_mb << 20))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if os.getuid() != 0:  # root ignores it; the audit hook refuses forks anyway
-            resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-    return apply
+_ALTERNATIVES = ("install bubblewrap (apt-get install bubblewrap), or use an HTTP sandbox service "
+                 "(rollout.tool_sandbox=remote rollout.tool_sandbox_url=URL), or opt in to the in-process guard, "
+                 "which does not stop a determined attacker (rollout.tool_sandbox=guard)")
 
 
-def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, file_mb: int = 16,
-               max_output_chars: int = 4000) -> SandboxResult:
-    """Run `code` in a fresh sandboxed interpreter inside a scratch directory removed afterwards."""
-    scratch = Path(tempfile.mkdtemp(prefix="hybridrl-tool-"))
-    try:
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _GUARD], cwd=scratch, env={"PATH": "/usr/bin:/bin"},
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True,  # its own process group, killed as a whole
-                                preexec_fn=_limits(memory_mb, max(1, int(timeout_s) + 1), file_mb, 16))
-        try:
-            out, err = proc.communicate(code, timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            timed_out = True
-        return SandboxResult(out[:max_output_chars], err[-max_output_chars:], None if timed_out else proc.returncode,
-                             timed_out)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+_default: list[Sandbox] = []  # the run's sandbox (set by the trainer from rollout.tool_sandbox), else auto
+
+
+def set_default_sandbox(sandbox: Sandbox | None) -> None:
+    """The sandbox tools use when they name none (the trainer sets the run's, resolved by its plan)."""
+    _default.clear()
+    if sandbox is not None:
+        _default.append(sandbox)
+
+
+def default_sandbox() -> Sandbox:
+    if not _default:
+        _default.append(resolve_sandbox("auto"))
+    return _default[0]
+
+
+def run_python(code: str, *, sandbox: Sandbox | str | None = None, timeout_s: float = 5.0, memory_mb: int = 512,
+               file_mb: int = 16, disk_mb: int = 64, processes: int = 16, files: int = 4096,
+               max_output_bytes: int = 1 << 20) -> SandboxResult:
+    """Run `code` in `sandbox` (an object, a registered name, or None: the run's default, else the strongest
+    available) with a fresh scratch folder that is gone afterwards."""
+    if sandbox is None:
+        sandbox = default_sandbox()
+    elif isinstance(sandbox, str):
+        sandbox = resolve_sandbox(sandbox)
+    limits = SandboxLimits(timeout_s, memory_mb, file_mb, disk_mb, processes, files, max_output_bytes)
+    return sandbox.run(code, limits)
+
+

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hybridrl.envs.sandbox import run_python
+from hybridrl.envs.sandbox import Sandbox, run_python
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict,
@@ -43,6 +43,7 @@ class Tool:
     description: str
     parameters: dict  # {"type": "object", "properties": {...}, "required": [...]}
     fn: Callable[..., str]
+    runs_code: bool = False  # executes model-written code: the run checks that a sandbox can start (plan)
 
     def spec(self) -> dict:
         """The OpenAI-style function spec chat templates render into the system prompt."""
@@ -123,13 +124,19 @@ class ToolRegistry:
         """(observation, ok) for every call in a model turn (empty: the turn made no call)."""
         return [self.call(call) for call in parse_tool_calls(text)]
 
+    def runs_code(self) -> bool:
+        """Whether any tool executes model-written code (and so needs a sandbox)."""
+        return any(tool.runs_code for tool in self.tools.values())
 
-def python_tool(timeout_s: float = 5.0, memory_mb: int = 512) -> Tool:
-    """Run Python code in the sandbox (hybridrl/envs/sandbox.py) and return what it printed."""
+
+def python_tool(timeout_s: float = 5.0, memory_mb: int = 512, sandbox: Sandbox | str | None = None) -> Tool:
+    """Run Python code in a sandbox (hybridrl/envs/sandbox.py; None: the run's rollout.tool_sandbox, else the
+    strongest available) and return what it printed."""
     return Tool(
         name="python",
         description="Run Python 3 code and return its standard output (print the values you need). No network, "
-                    f"no subprocesses, {timeout_s:g} s and {memory_mb} MiB at most; files only in the working folder.",
+                    f"{timeout_s:g} s and {memory_mb} MiB at most; files only in the working folder.",
         parameters={"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
                     "required": ["code"]},
-        fn=lambda code: run_python(code, timeout_s=timeout_s, memory_mb=memory_mb).observation())
+        fn=lambda code: run_python(code, sandbox=sandbox, timeout_s=timeout_s, memory_mb=memory_mb).observation(),
+        runs_code=True)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from hybridrl.hybrid_engine.plan import ParamSpec, generation_shard_from_training
 from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.families import expert_number
+from hybridrl.parallel.distributed import bound_listener
 from hybridrl.parallel.layout import ParallelLayout
 
 
@@ -94,7 +95,9 @@ def open_bridge(host: str, port: int, rank: int, size: int, timeout_s: float = 6
     """The bridge between both pools (bridge rank 0 hosts the rendezvous store); `device`: where this rank's
     model lives (every rank of both pools must be on the same kind)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+    # rank 0 serves the store on `host` alone (loopback in a one-node cluster), not on every interface
+    listen_fd = bound_listener(host, port).detach() if rank == 0 else None
+    store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout, master_listen_fd=listen_fd)
     prefixed = dist.PrefixStore("hybridrl-bridge", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()

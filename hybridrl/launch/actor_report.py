@@ -30,6 +30,7 @@ class ActorPlacement:
     pid: int
     state: str
     job_id: str
+    name: str = ""  # hybridrl's worker hosts: hybridrl:<pool>:rank<r>:<id>
 
 
 def actor_placements(address: str) -> list[ActorPlacement]:
@@ -48,17 +49,20 @@ def actor_placements(address: str) -> list[ActorPlacement]:
                                              node_name=node_names.get(node_id, "?"),
                                              node_ip=where.get("IPAddress", ""), node_id=node_id,
                                              pid=int(info.get("Pid") or 0), state=info.get("State", ""),
-                                             job_id=info.get("JobID", "")))
+                                             job_id=info.get("JobID", ""), name=info.get("Name", "") or ""))
         return sorted(placements, key=lambda p: (p.actor_class, p.node_name, p.pid))
     finally:
         ray.shutdown()
 
 
 def summary(placements: list[ActorPlacement]) -> str:
-    """One line per actor class: how many on which node, e.g. `WorkerHost: n1 x1, n2 x1`."""
+    """One line per actor class (hybridrl's worker hosts: per pool): how many on which node, e.g.
+    `WorkerHost: n1 x1, n2 x1` or `WorkerHost[default]: n1 x1` and `WorkerHost[gen]: n2 x1`."""
     per_class: dict[str, Counter] = {}
     for p in placements:
-        per_class.setdefault(p.actor_class, Counter())[p.node_name] += 1
+        parts = p.name.split(":")
+        label = f"{p.actor_class}[{parts[1]}]" if parts[0] == "hybridrl" and len(parts) > 2 else p.actor_class
+        per_class.setdefault(label, Counter())[p.node_name] += 1
     lines = [f"{cls}: " + ", ".join(f"{node} x{n}" for node, n in sorted(counts.items()))
              for cls, counts in sorted(per_class.items())]
     nodes = sorted({p.node_name for p in placements})

@@ -17,6 +17,7 @@ from hybridrl.bundled import IMPORT_ROOT, bundled_dir
 from hybridrl.config import ConfigError, find_config, load_config
 from hybridrl.launch.model_files import ModelFiles, ModelFilesError, prepare_model_files
 from hybridrl.launch.slurm_query import SlurmRequestError, job_state
+from hybridrl.parallel.placement import PlacementError, fit_pools
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,9 @@ def _default_run_dir(args: argparse.Namespace) -> Path:
 
 
 def _train_command(args: argparse.Namespace) -> JobCommand:
-    """`hybridrl train CONFIG overrides...` for the job, with the config checked against the request:
-    every resource pool spans all --nodes with the same number of devices on each (one Ray "GPU" per
-    device), and the pools fit into --nodes x --gpus-per-node."""
+    """`hybridrl train CONFIG overrides...` for the job, with the config checked against the request: the pools
+    (one Ray "GPU" per device) fit into --nodes x --gpus-per-node, each on the nodes its resources.node_devices
+    names, spread evenly, or packed where it fits (_node_placement)."""
     try:
         args.config = str(find_config(args.config))  # a path, or a bundled config by name
     except ConfigError as exc:
@@ -77,19 +78,7 @@ def _train_command(args: argparse.Namespace) -> JobCommand:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         raise SlurmRequestError(f"config {args.config}: {exc}") from None
-    pools = {"resources.devices": int(cfg.resources.devices),
-             **{f"resources.pools.{name}": int(n) for name, n in cfg.resources.pools.items()}}
-    for option, devices in pools.items():
-        if devices % args.nodes:
-            raise SlurmRequestError(f"{option}={devices} does not split over --nodes {args.nodes} (each pool "
-                                    f"spans every node with the same number of devices); use a multiple of "
-                                    f"{args.nodes} or change --nodes")
-    total, offered = sum(pools.values()), args.nodes * args.gpus_per_node
-    if total > offered:
-        listing = ", ".join(f"{k}={v}" for k, v in pools.items())
-        raise SlurmRequestError(f"the config's pools need {total} devices ({listing}) "
-                                f"but --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {offered}; "
-                                "ask for more or shrink the pools")
+    overrides += _node_placement(cfg, args)
 
     models = _model_files(args, cfg)
     overrides += models.overrides  # hub ids pinned to the commit resolved here
@@ -120,6 +109,27 @@ def _model_files(args: argparse.Namespace, cfg) -> ModelFiles:
         return prepare_model_files(cfg, mode, download=not args.dry_run)
     except ModelFilesError as exc:
         raise SlurmRequestError(str(exc)) from None
+
+
+def _node_placement(cfg, args: argparse.Namespace) -> list[str]:
+    """The pools placed on --nodes x --gpus-per-node (parallel/placement.py): resources.node_devices as given, even
+    spreads, and a devices-per-node list for each pool that does not split evenly (packed where it fits, whole
+    nodes first), passed to the trainer as overrides. Refused when the pools do not fit."""
+    pools = {"default": int(cfg.resources.devices), **{str(k): int(v) for k, v in cfg.resources.pools.items()}}
+    listed = {str(k): list(v) for k, v in cfg.resources.node_devices.items()}
+    total, offered = sum(pools.values()), args.nodes * args.gpus_per_node
+    if total > offered:
+        listing = ", ".join(f"{'resources.devices' if k == 'default' else f'resources.pools.{k}'}={v}"
+                            for k, v in pools.items())
+        raise SlurmRequestError(f"the config's pools need {total} devices ({listing}) "
+                                f"but --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {offered}; "
+                                "ask for more or shrink the pools")
+    try:
+        placed = fit_pools(pools, args.nodes, args.gpus_per_node, listed)
+    except PlacementError as exc:
+        raise SlurmRequestError(f"{exc} (--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node})") from None
+    return [f"resources.node_devices.{pool}=[{','.join(map(str, split))}]" for pool, split in placed.items()
+            if pool not in listed and pools[pool] % args.nodes]
 
 
 def validate(args: argparse.Namespace) -> JobCommand:

@@ -51,6 +51,28 @@ def load_hf_config(path: str | Path) -> Any:
         raise CheckpointError(f"{path}/config.json cannot be read by transformers: {exc}") from None
 
 
+# what the run plan reads of a model (layouts, experts): found in config.json under these names for every family
+# hybridrl builds; another layout of the file goes through transformers
+_PLAN_KEYS = ("num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
+
+
+def hf_config_for_plan(path: str | Path) -> Any:
+    """The config.json of a model folder as attributes, read without transformers (whose config classes import for
+    seconds): for the run plan's checks. Falls back to load_hf_config for a file that does not name its sizes
+    plainly (a nested text_config, another family's key names)."""
+    import json
+    import types
+
+    path = Path(path)
+    try:
+        values = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return load_hf_config(path)  # its error names the problem
+    if not isinstance(values, dict) or not all(isinstance(values.get(k), int) for k in _PLAN_KEYS):
+        return load_hf_config(path)
+    return types.SimpleNamespace(**values)
+
+
 def rope_settings(hf_config: Any) -> RopeSettings:
     """RoPE theta and scaling from either transformers 5 `rope_parameters` or older `rope_theta/rope_scaling`."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

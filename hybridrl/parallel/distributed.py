@@ -43,15 +43,51 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def bound_listener(host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket on `host` only (port 0: a free one), for a rendezvous store to serve on."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that carries `address` (lo for loopback), None if none does."""
+    if address.startswith("127.") or address == "::1":
+        return "lo"
+    import psutil  # a dependency already (the reaper); only for a multi-node rendezvous
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def pin_collectives_to(address: str) -> None:
+    """gloo's and NCCL's own listeners on the interface of `address` (unless the user chose one): by default gloo
+    binds what the hostname resolves to, and NCCL the first interface it likes, which may face another network."""
+    interface = interface_of(address)
+    if interface is not None:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, interface)
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     timeout_s: float = 600.0) -> None:
-    """Join the default process group (gloo on CPU, nccl on GPU) after preparing the process."""
+                     timeout_s: float = 600.0, listen_fd: int | None = None) -> None:
+    """Join the default process group (gloo on CPU, nccl on GPU) after preparing the process. Rank 0 serves the
+    rendezvous store on `listen_fd` when given: a socket it bound to one address (torch's own store binds every
+    interface of the machine)."""
     prepare_process()
     if torch.distributed.is_initialized():
         return
-    torch.distributed.init_process_group(
-        backend=backend(), init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0 and listen_fd is None:
+        listen_fd = bound_listener(master_addr, master_port).detach()  # the store owns it from here
+    store = torch.distributed.TCPStore(master_addr, master_port, world_size, rank == 0, timeout,
+                                       master_listen_fd=listen_fd if rank == 0 else None)
+    torch.distributed.init_process_group(backend=backend(), store=store, rank=rank, world_size=world_size,
+                                         timeout=timeout)
     logger.debug("rank %d/%d joined %s group at %s:%d", rank, world_size, backend(), master_addr, master_port)
 
 

@@ -16,6 +16,7 @@ same folder as the driver, so on several nodes RUN must be on a shared filesyste
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.config import MachineError
 from hybridrl.models.lora_io import ADAPTER_DIR
 from hybridrl.models.peft import ADAPTER_CONFIG
 
@@ -123,6 +125,23 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)
         logger.info("checkpoint saved: %s", final)
         return final
+
+    def out_of_space(self, exc: BaseException, step: int, slack_bytes: int = 1 << 20) -> MachineError | None:
+        """For a save that failed: the one-line MachineError when the disk is full (ENOSPC in the error, also a
+        worker's; or, before the partial folder is removed, less than `slack_bytes` left on the checkpoint
+        folder's filesystem: Megatron's writer and torch.save report a full disk in their own words), else None."""
+        try:
+            stats = os.statvfs(self.root)
+            full = stats.f_bavail * stats.f_frsize < slack_bytes
+        except OSError:
+            full = False
+        text = f"{exc} {getattr(exc, 'remote_traceback', '')}"
+        if not (full or getattr(exc, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in text):
+            return None
+        latest = self.latest()
+        kept = f"; the last complete checkpoint, {latest}, is intact" if latest else ""
+        return MachineError.writing(self.root, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+                                    f" while saving step {step}{kept}")
 
     def discard_after(self, step: int) -> None:
         """Drop checkpoints newer than `step` (a run resumed from an earlier one writes them again)."""

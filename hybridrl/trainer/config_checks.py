@@ -16,6 +16,7 @@ from hybridrl.algorithms.distill import check_distill_mode
 from hybridrl.algorithms.losses import KL_ESTIMATORS
 from hybridrl.config import ConfigError
 from hybridrl.data.verdicts import verdict_parser
+from hybridrl.envs.sandbox import SANDBOXES
 from hybridrl.models.hub import parse_hub_id
 from hybridrl.models.lora import TARGET_NAMES
 from hybridrl.models.tiny import TINY_PREFIX
@@ -146,6 +147,10 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("algorithm.max_staleness",), _at_least(0), "must be >= 0", "0: every sample from the current weights"),
     (("trainer.mode",), _one_of("sync", "one_step_off", "async"), "is not sync, one_step_off or async", "sync"),
     (("rollout.env",), _optional(_names), "must name an environment", "charset_turns, tool_answer or pkg.mod:Class"),
+    (("rollout.tool_sandbox",), lambda v: v == "auto" or v in SANDBOXES, "is not a registered tool sandbox",
+     "auto, bwrap, remote, guard or none"),
+    (("rollout.tool_sandbox_url",), _optional(lambda v: str(v).startswith(("http://", "https://"))),
+     "is not an http(s):// URL", "the sandbox service's endpoint, e.g. http://HOST:8080/run_code"),
     (("rollout.max_turns",), _at_least(1), "must be >= 1", "model turns per episode"),
     (("rollout.max_episode_tokens",), _optional(_at_least(1)), "must be >= 1",
      "leave unset: 2 * max_turns * max_new_tokens"),
@@ -214,6 +219,8 @@ RULES += [
     (("{m}.lora.init",), lambda v: v in ("kaiming", "gaussian") or (Path(str(v)).expanduser() /
                                                                    "adapter_config.json").is_file(),
      "is not kaiming, gaussian or a PEFT adapter folder (adapter_config.json)", "kaiming"),
+    (("trainer.signal_grace_s",), _above(0), "must be > 0",
+     "seconds between the scheduler's stop signal and its SIGKILL: Slurm's KillWait, 30 by default"),
 ]
 
 

@@ -38,6 +38,7 @@ from hybridrl.controller.interrupts import Interrupted
 from hybridrl.data.dataset import prompt_dataset_from_config
 from hybridrl.data.loader import StatefulPromptLoader
 from hybridrl.data.tokenizer import tokenizer_for
+from hybridrl.envs import resolve_sandbox, set_default_sandbox
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.peft import tokenizer_folder
 from hybridrl.rollout.agent import AgentReplicas, AgentRunner, AgentSettings, agent_metrics
@@ -112,6 +113,8 @@ class RLTrainer:
         r = self.cfg.rollout
         limits = EpisodeLimits(r.max_turns, r.max_new_tokens, self.plan.response_length,
                                self.cfg.data.max_prompt_length, r.turn_discount)
+        if self.plan.rollout.tool_sandbox != "auto":  # the plan's choice for tools that run code (envs/sandbox.py)
+            set_default_sandbox(resolve_sandbox(self.plan.rollout.tool_sandbox, r.tool_sandbox_url))
         return EpisodeRunner(r.env, dict(r.env_kwargs), self.tokenizer, self.cfg.data.chat_template, limits)
 
     def _agent_runner(self) -> AgentRunner:
@@ -130,8 +133,8 @@ class RLTrainer:
     def start(self) -> None:
         """Start Ray and every role on its pool."""
         self.start_ray()
-        self.pools = {name: ResourcePool(devices=n, nodes=self.cfg.resources.nodes, name=name)
-                      for name, n in self.plan.pools.items()}
+        self.pools = {name: ResourcePool(nodes=len(split), devices_per_node=split, name=name)  # the plan's nodes
+                      for name, split in self.plan.node_devices.items()}
         self.roles = start_roles(self.cfg, self.plan, self.pools, self.tokenizer)
         self.rewards = start_reward_sources(self.cfg, self.plan, self.pools)
         self.roles.update(self.rewards.scorers)
@@ -453,8 +456,11 @@ class RLTrainer:
             save_driver_state(tmp, self.driver_state())
         except Interrupted:  # the workers may still be writing into tmp: it is discarded once they are gone
             raise
-        except BaseException:
+        except BaseException as exc:
+            full = checkpoints.out_of_space(exc, self.step)  # judged before the partial save frees its space
             shutil.rmtree(tmp, ignore_errors=True)
+            if full is not None:
+                raise full from exc
             raise
         return checkpoints.commit(tmp, self.step)
 

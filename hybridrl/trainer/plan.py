@@ -22,13 +22,14 @@ from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
 from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, typed
 from hybridrl.data.tasks import task_reward_path
-from hybridrl.envs import env_class
+from hybridrl.envs import SandboxUnavailable, ToolRegistry, env_class, resolve_sandbox
 from hybridrl.hybrid_engine.plan import STRATEGIES
-from hybridrl.models.config import CheckpointError
+from hybridrl.models.config import CheckpointError, hf_config_for_plan
 from hybridrl.models.families import ModelDims
 from hybridrl.models.hub import ModelReferenceError, resolve_model, resolve_reference
 from hybridrl.models.peft import is_peft_adapter, model_config
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
+from hybridrl.parallel.placement import PlacementError, resolve_node_devices
 from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
@@ -70,6 +71,7 @@ class RunPlan:
     # generation batches in flight ahead of training: 0 sync, 1 one_step_off, algorithm.max_staleness async
     rollout_ahead: int = 0
     lora: dict[str, LoraConfig] = field(default_factory=dict)  # actor / critic adapters, resolved (plan_lora.py)
+    node_devices: dict[str, list[int]] = field(default_factory=dict)  # pool -> its devices on each node
 
 
 def _check(condition: bool, message: str) -> None:
@@ -91,14 +93,15 @@ def plan_run(cfg: Any) -> RunPlan:
            f"{rows}")
     max_len = _max_model_len(cfg, response_length)
     step, lora = plan_lora(cfg, step_needs(spec, typed(cfg.algorithm), rows))
-    plan = RunPlan(algorithm=spec, pools=_pools(cfg.resources), step=step, rollout=typed(cfg.rollout),
+    pools = _pools(cfg.resources)
+    plan = RunPlan(algorithm=spec, pools=pools, step=step, rollout=typed(cfg.rollout),
                    loss=_loss(cfg, spec, loss_agg, response_length), response_length=response_length,
-                   rows_per_step=rows, lora=lora)
+                   rows_per_step=rows, lora=lora, node_devices=_node_devices(cfg.resources, pools))
     _place_roles(cfg, plan)
     for role, settings in lora.items():
         if role in plan.roles:
             check_lora_experts(role, settings, plan.roles[role].model_path, plan.roles[role].layout)
-    plan.rollout = _resolve_rollout(cfg, plan, max_len)
+    plan.rollout = _resolve_tool_sandbox(cfg, _resolve_rollout(cfg, plan, max_len))
     _check_fully_sharded(plan)
     check_lora_generation(plan.lora.get("actor"), plan.rollout, plan.roles["actor"].layout, "rollout" not in plan.roles)
     _check_batch_splits(plan)
@@ -182,9 +185,16 @@ def _pools(res: Any) -> dict[str, int]:
     pools = {DEFAULT_POOL: int(res.devices), **{str(k): int(v) for k, v in res.pools.items()}}
     for name, devices in pools.items():
         _check(devices >= 1, f"resources.pools.{name}={devices} must be >= 1")
-        _check(devices % res.nodes == 0, f"pool {name!r} has {devices} devices, which do not split evenly over "
-                                         f"resources.nodes={res.nodes}; give each pool a multiple of the node count")
     return pools
+
+
+def _node_devices(res: Any, pools: dict[str, int]) -> dict[str, list[int]]:
+    """Each pool's devices per node (parallel/placement.py): resources.node_devices, else an even spread."""
+    listed = {str(k): list(v) for k, v in (res.get("node_devices") or {}).items()}
+    try:
+        return resolve_node_devices(pools, int(res.nodes), listed)
+    except PlacementError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ---- lengths and episodes ----------------------------------------------------------------------------------
@@ -230,6 +240,24 @@ def _check_agent(cfg: Any) -> None:
            f"algorithm.max_refill_rounds={alg.get('max_refill_rounds')} (dynamic sampling) keeps groups of "
            f"rollout.n samples; agent runs that split into several trajectories or are dropped make other group "
            f"sizes: set algorithm.max_refill_rounds=0 with rollout.agent")
+
+
+def _resolve_tool_sandbox(cfg: Any, roll: RolloutConfig) -> RolloutConfig:
+    """rollout.tool_sandbox for an environment whose tools run model-written code: the sandbox started once here
+    (auto: the strongest available), or one line saying why none can; the weak ones said out loud."""
+    tools = getattr(env_class(roll.env)(**dict(roll.env_kwargs)), "tools", None) if roll.env else None
+    if not (isinstance(tools, ToolRegistry) and tools.runs_code()):
+        return roll
+    try:
+        sandbox = resolve_sandbox(roll.tool_sandbox, roll.tool_sandbox_url)
+    except (SandboxUnavailable, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    if sandbox.name in ("guard", "none"):
+        logger.warning("rollout.tool_sandbox=%s: model-written code runs %s; it is no boundary against code that "
+                       "tries to get out (README: the tool sandbox)", sandbox.name,
+                       "under the audit-hook guard" if sandbox.name == "guard" else "without any isolation")
+    return dataclasses.replace(roll, tool_sandbox=sandbox.name)
+
 
 
 def _max_model_len(cfg: Any, response_length: int) -> int:
@@ -322,14 +350,19 @@ def _check_tokenizer_references(cfg: Any) -> None:
                 raise ConfigError(str(exc)) from None
 
 
+def _plan_config(path: str) -> Any:
+    """A model's HF config for the plan's checks: read plainly (fast), or a PEFT adapter's merged model's."""
+    return model_config(path) if is_peft_adapter(path) else hf_config_for_plan(path)
+
+
 def _experts_of(path: str) -> Any:
     """The model's mixture-of-experts dimensions (None for a dense model)."""
-    return ModelDims.from_hf(model_config(path)).moe
+    return ModelDims.from_hf(_plan_config(path)).moe
 
 
 def _check_model_fits(role: str, path: str, layout: ParallelLayout) -> None:
     try:
-        hf = model_config(path)  # a PEFT adapter folder: its merged model's
+        hf = _plan_config(path)  # a PEFT adapter folder: its merged model's
     except CheckpointError as exc:
         raise ConfigError(f"{role}.model.path: {exc}") from None
     moe = ModelDims.from_hf(hf).moe

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.controller import WorkerDiedError, WorkerHungError
+from hybridrl.controller import interrupts
 from hybridrl.controller.watchdog import WATCHDOG
 from hybridrl.trainer.checkpoint import CheckpointManager
 from hybridrl.trainer.loop import NonFiniteError, RLTrainer
@@ -46,16 +47,30 @@ def fit(trainer: RLTrainer, tracker: Any, checkpoints: CheckpointManager | None 
             if not tr.progress_bar:
                 print(line, flush=True)
         history.append(metrics)
+        saved = False
         if checkpoints is not None and tr.save_every and trainer.step % tr.save_every == 0:
             if step_was_finite(metrics):
                 trainer.save_checkpoint(checkpoints)
+                saved = True
             else:  # a poisoned step: keep the previous checkpoint as the one to come back to
                 logger.warning("step %d was not finite: no checkpoint written for it", trainer.step)
+        if interrupts.pending() is not None:  # a signal held back for this (trainer.save_on_signal)
+            _save_on_signal(trainer, checkpoints, metrics, saved)
         if skipped_in_a_row >= tr.max_skipped_steps:  # nothing is being learned any more
             raise NonFiniteError(f"{skipped_in_a_row} steps in a row (up to step {trainer.step}) were not finite "
                                  f"and skipped (trainer.max_skipped_steps={tr.max_skipped_steps}); check the reward "
                                  f"function and lower actor.optim.lr")
     return history
+
+
+def _save_on_signal(trainer: RLTrainer, checkpoints: CheckpointManager | None, metrics: dict, saved: bool) -> None:
+    """The step that was running when the signal came is done: save it (unless it is saved already or not finite),
+    then stop. A save that outlasts the grace period is cut off by the wait loop and discarded."""
+    if checkpoints is not None and not saved and step_was_finite(metrics):
+        logger.warning("%s: saving step %d before stopping (%.0f s of the grace period left)",
+                       interrupts.pending().name, trainer.step, interrupts.seconds_left())
+        trainer.save_checkpoint(checkpoints)
+    interrupts.raise_pending()
 
 
 def _run_with_restarts(trainer: RLTrainer, tracker: Any, run_dir: str | Path,
@@ -73,6 +88,7 @@ def _run_with_restarts(trainer: RLTrainer, tracker: Any, run_dir: str | Path,
         try:
             return fit(trainer, tracker, checkpoints)
         except WorkerDiedError as exc:  # WorkerHungError too: the watchdog stopped a call without progress
+            interrupts.raise_pending()  # workers that died of the stop signal itself (a whole-cgroup SIGTERM)
             restarts += 1
             _recover(trainer, tracker, exc, restarts, checkpoints, initial)
 

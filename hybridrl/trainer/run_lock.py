@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from hybridrl.config import ConfigError
+from hybridrl.config import ConfigError, MachineError
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,10 @@ _held: list[IO] = []  # open lock files of this process: closing one would relea
 
 def lock_run_dir(run_dir: str | Path) -> None:
     path = Path(run_dir) / LOCK_FILE
-    handle = open(path, "a+")
+    try:
+        handle = open(path, "a+")
+    except OSError as exc:
+        raise MachineError.writing(path, exc) from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -35,8 +38,15 @@ def lock_run_dir(run_dir: str | Path) -> None:
                           f"to finish or choose another trainer.run_dir") from None
     except OSError as exc:  # e.g. a filesystem without flock
         logger.warning("could not lock %s (%s); make sure no other run uses this folder", path, exc)
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+        handle.flush()
+    except OSError as exc:  # a full disk, found before any worker starts
+        try:
+            handle.close()  # flushes what the disk refused once more
+        except OSError:
+            pass
+        raise MachineError.writing(path, exc) from None
     _held.append(handle)
