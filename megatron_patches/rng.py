@@ -18,9 +18,10 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from megatron_patches._base import replace, wraps
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 UPSTREAM = ("megatron/core/tensor_parallel/random.py: CudaRNGStatesTracker.add, _get_cuda_rng_state, "
             "_set_cuda_rng_state, initialize_rng_tracker, model_parallel_cuda_manual_seed")
 

@@ -107,7 +107,9 @@ def _prepare_spmd_environment(on_gpu: bool) -> None:
     if os.environ.setdefault("RANK", str(rank)) != str(rank):
         raise RuntimeError(f"environment RANK={os.environ['RANK']} but torch.distributed rank is {rank}; "
                            f"unset RANK or fix the launcher")
-    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if on_gpu else rank))
+    # vLLM takes cuda:LOCAL_RANK and asserts LOCAL_RANK < device_count(): it must be this process's GPU among
+    # those it sees (the current device: distributed.local_device_index), never the worker's slot on its node
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if on_gpu else rank)
 
 
 def _prepare_in_process_environment(on_gpu: bool) -> None:
