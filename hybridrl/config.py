@@ -79,10 +79,14 @@ class VllmConfig:
     """vLLM's engine settings (rollout.engine=vllm); the CPU defaults keep a tiny model's engine under ~1 GiB."""
 
     dtype: Optional[str] = None  # None: the actor's dtype (actor.model.dtype), so log-probs match the trainer's
-    kv_cache_memory_bytes: Optional[int] = 64 << 20  # CPU: size of the KV cache (vLLM's CPU default is GiBs)
-    gpu_memory_utilization: float = 0.5  # GPU: share of GPU memory vLLM may take (weights + KV cache)
+    # the KV cache's bytes per device; None: 64 MiB on CPU, on GPU what gpu_memory_utilization leaves after vLLM's
+    # weights and activations
+    kv_cache_memory_bytes: Optional[int] = None
+    # GPU: share of the device vLLM takes while awake (its weights + activations + KV cache); it must be free
+    # when the engine starts and beside what stays on a colocated GPU while generating (hybridrl plan counts it)
+    gpu_memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
-    enable_sleep_mode: bool = True  # GPU only: release()/wake() free and restore the KV cache
+    enable_sleep_mode: bool = True  # GPU: between generations the engine gives back its weights and KV cache
 
 
 @dataclass

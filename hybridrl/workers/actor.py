@@ -23,7 +23,7 @@ from hybridrl.hybrid_engine.engine import HybridEngine
 from hybridrl.hybrid_engine.megatron_adapter import training_params
 from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
-from hybridrl.parallel.generation import GenerationLayout
+from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
@@ -53,18 +53,25 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     def __init__(self, role: RoleConfig, rollout: RolloutConfig, tokens: TokenIds, seed: int = 1) -> None:
         """role: the actor's settings (model.path a local folder); rollout: how it generates, with the engine and
         max_model_len resolved by the driver; tokens: the tokenizer's pad id."""
-        self.model = MegatronModel.for_role(role, self.layout, seed=seed)
         self.rollout = rollout
+        gen_layout = GenerationLayout(tp=rollout.tp, ep=rollout.ep)
+        if rollout.engine == "vllm":
+            # vLLM starts first: at start it checks that its memory share (rollout.vllm) is free on the device,
+            # which the training state would not leave; then it sleeps (weights and KV cache given back) until
+            # the first generation pushes the actor's weights (it loads none itself: load_format dummy). Its TP
+            # groups are the hybrid engine's strided generation TP groups.
+            self.engine = build_rollout_engine(rollout, model_path=role.model.path, tokens=tokens,
+                                               dtype=role.model.dtype, weights_pushed=True,
+                                               tp_groups=GenerationGroups(self.layout, gen_layout).gen_tp_groups())
+            self.engine.release()
+        self.model = MegatronModel.for_role(role, self.layout, seed=seed)
         self.model.routing_mode = None if rollout.routing_mode == "off" else rollout.routing_mode
-        self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout,
-                                   GenerationLayout(tp=rollout.tp, ep=rollout.ep), strategy=rollout.reshard,
-                                   bucket_mb=rollout.bucket_mb)
-        # vLLM's TP group must be the hybrid engine's strided generation TP group
-        tp_groups = self.hybrid.groups.gen_tp_groups() if rollout.engine == "vllm" else None
-        self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, model_path=role.model.path,
-                                           vocab_size=self.model.vocab_size, tokens=tokens, dtype=role.model.dtype,
-                                           tp_groups=tp_groups)
-        self.engine.release()  # KV cache only while generating
+        self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout, gen_layout,
+                                   strategy=rollout.reshard, bucket_mb=rollout.bucket_mb)
+        if rollout.engine != "vllm":  # the native engine generates with the hybrid engine's generation model
+            self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, vocab_size=self.model.vocab_size,
+                                               tokens=tokens)
+            self.engine.release()  # KV cache only while generating
         self._generating = False  # between begin_generation and end_generation
 
     # ---- generation ------------------------------------------------------------------------------------
@@ -95,12 +102,14 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     # turn of the episodes, end (the driver always ends, also after a failed turn).
     @register(Dispatch.ONE_TO_ALL)
     def begin_generation(self) -> float:
-        """Training -> generation layout, new weights into the engine, KV cache back; returns its seconds."""
+        """Training -> generation layout, then the engine's state machine in order (rollout/base.py): its
+        weights' memory back, the new weights pushed, then its KV cache back; returns its seconds."""
         if self._generating:
             return 0.0
         start = time.perf_counter()
         gen_model = self.hybrid.to_generation()
         self._generating = True
+        self.engine.wake_weights()
         self._push_weights(gen_model)
         self.engine.wake()
         return time.perf_counter() - start

@@ -127,10 +127,9 @@ class RolloutWorker(Worker):
         coords = self.layout.coords(self.rank)
         share = prompts.chunk(self.layout.dp)[coords.dp]
         outs, versions = [], []
-        self.engine.wake()
         # expert-parallel peers decode in lockstep: a replica without prompts keeps their pace (placeholder rows)
         lockstep = self.layout.ep > 1
-        try:
+        try:  # the engine stays awake (the pool is generation's own): weights are pushed into it between calls
             for params in sampling if len(share) or lockstep else []:
                 params = replica_params(params, coords.dp)
                 versions.append(self.version)
@@ -141,7 +140,6 @@ class RolloutWorker(Worker):
                     outs.append(self._generate_partial(share, params) if self.partial
                                 else self.engine.generate(share, params))
         finally:
-            self.engine.release()
             self._idle_since = time.perf_counter()
         if not outs or coords.tp != 0:
             return None
