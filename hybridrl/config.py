@@ -62,6 +62,16 @@ class MoeConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What a trained role keeps in host memory while it is not needed (workers/offload.py): room on a colocated GPU
+    for generation's KV cache. Trained roles (actor, critic) only."""
+
+    grads: bool = False  # fp32 gradient buffers freed between updates (each update zeroes them first)
+    optimizer: bool = False  # fp32 main weights + Adam moments in host memory between updates (moved back bit-exactly)
+    params: bool = False  # actor with rollout.engine=vllm: its weights in host memory while vLLM generates
+
+
+@dataclass
 class RoleConfig:
     """A Megatron-backed role (actor, critic, reference, reward/cost model)."""
 
@@ -72,6 +82,7 @@ class RoleConfig:
     micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is null
     max_tokens_per_micro_batch: Optional[int] = 8192  # pack sequences into micro-batches of at most this many tokens
     pool: str = "default"  # resource pool name; roles on one pool colocate
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # trained roles: state in host memory when idle
 
 
 @dataclass

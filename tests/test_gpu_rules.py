@@ -171,3 +171,40 @@ def test_gpu_config_without_te_builds_the_local_layers(monkeypatch):
     config.use_cpu_initialization = True  # only to build the module here
     norm = torch_norm.WrappedTorchNorm(config, config.hidden_size, normalization="RMSNorm")
     assert isinstance(norm, torch.nn.RMSNorm)
+
+
+# ---- item 4: vLLM runs in the actor's precision, with the engine options of rollout.vllm ---------------------
+def test_vllm_dtype_follows_the_actor(tmp_path, monkeypatch):
+    from hybridrl.config import load_config
+    from hybridrl.models.tiny import create_tiny_model
+    from hybridrl.rollout.vllm_engine import engine_kwargs
+    from hybridrl.trainer import plan as plan_module
+    from hybridrl.trainer.plan import plan_run
+
+    monkeypatch.setattr(plan_module, "_vllm_unsupported", lambda path: None)  # vLLM's import (~20 s) is not the point
+    path = create_tiny_model(tmp_path / "m", vocab_size=128, hidden=64, heads=2, kv_heads=2, layers=2)
+    plans = {dtype: plan_run(load_config(None, [f"actor.model.path={path}", f"actor.model.dtype={dtype}",
+                                                "rollout.engine=vllm", "resources.devices=1",
+                                                "actor.parallel.tp=1"]))
+             for dtype in ("bfloat16", "float32")}
+    assert plans["bfloat16"].rollout.vllm.dtype == "bfloat16" and plans["float32"].rollout.vllm.dtype == "float32"
+    pinned = plan_run(load_config(None, [f"actor.model.path={path}", "actor.model.dtype=bfloat16",
+                                         "rollout.engine=vllm", "rollout.vllm.dtype=float32", "resources.devices=1"]))
+    assert pinned.rollout.vllm.dtype == "float32"  # an explicit engine dtype wins
+    # what the GPU engine is given: the resolved dtype, its memory share, sleep mode; a fixed KV cache when set
+    settings = plans["bfloat16"].rollout.vllm
+    gpu = engine_kwargs(settings, str(path), settings.dtype, 2048, 2, on_gpu=True, load_format="dummy")
+    assert gpu["dtype"] == "bfloat16" and gpu["gpu_memory_utilization"] == settings.gpu_memory_utilization
+    assert gpu["enable_sleep_mode"] and gpu["load_format"] == "dummy" and "kv_cache_memory_bytes" not in gpu
+    assert not gpu["enforce_eager"] and gpu["tensor_parallel_size"] == 2
+    fixed = engine_kwargs(dataclasses_replace(settings, kv_cache_memory_bytes=8 << 30), str(path), "bfloat16", 2048,
+                          2, on_gpu=True)
+    assert fixed["kv_cache_memory_bytes"] == 8 << 30
+    cpu = engine_kwargs(settings, str(path), "float32", 64, 1, on_gpu=False)
+    assert cpu["kv_cache_memory_bytes"] == 64 << 20 and cpu["enforce_eager"] and "gpu_memory_utilization" not in cpu
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)

@@ -56,6 +56,13 @@ def local_device_index(local_rank: int, visible_devices: str | None, assigned: l
     return local_rank
 
 
+def release_cached_memory() -> None:
+    """Hand the memory torch's caching allocator keeps free back to the device (a no-op on CPU): another allocator
+    in this process (vLLM's, waking from sleep) cannot use torch's cached blocks."""
+    if use_cuda():
+        torch.cuda.empty_cache()
+
+
 def prepare_process() -> None:
     """Make Megatron-Core usable in this process: pick the GPU, then the shims it needs (CPU/gloo ones without
     CUDA, the no-TE ones without Transformer Engine: megatron_patches.apply decides)."""
