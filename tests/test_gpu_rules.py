@@ -208,3 +208,22 @@ def dataclasses_replace(obj, **changes):
     import dataclasses
 
     return dataclasses.replace(obj, **changes)
+
+
+def test_offload_options_are_checked_before_any_worker(tmp_path, monkeypatch):
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.models.tiny import create_tiny_model
+    from hybridrl.trainer import plan as plan_module
+    from hybridrl.trainer.plan import plan_run
+
+    monkeypatch.setattr(plan_module, "_vllm_unsupported", lambda path: None)
+    path = create_tiny_model(tmp_path / "m", vocab_size=128, hidden=64, heads=2, kv_heads=2, layers=2)
+    base = [f"actor.model.path={path}", "resources.devices=1"]
+    ok = plan_run(load_config(None, base + ["rollout.engine=vllm", "actor.offload.params=true",
+                                            "actor.offload.optimizer=true", "actor.offload.grads=true"]))
+    assert ok.rollout.engine == "vllm"
+    for bad, words in ((["rollout.engine=native", "actor.offload.params=true"], "actor.offload.params"),
+                       (["ref.offload.optimizer=true", "algorithm.kl.coef=0.1"], "ref.offload"),
+                       (["algorithm.name=ppo", "critic.offload.params=true"], "critic.offload.params")):
+        with pytest.raises(ConfigError, match=words):
+            plan_run(load_config(None, base + bad))

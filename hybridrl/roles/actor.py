@@ -8,7 +8,8 @@ from typing import Any, Iterator
 
 import torch
 
-from hybridrl.config import ModelConfig, MoeConfig, OptimConfig, ParallelConfig, RoleConfig, RolloutConfig, as_section
+from hybridrl.config import (ModelConfig, MoeConfig, OffloadConfig, OptimConfig, ParallelConfig, RoleConfig, RolloutConfig,
+                             as_section)
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.tiny import resolve_model_path
@@ -20,6 +21,7 @@ from hybridrl.rollout import SamplingParams, TokenIds, sampling_params_from_conf
 from hybridrl.rollout.prompts import check_prompts, encode_prompts, left_pad
 from hybridrl.rollout.types import Rollout, as_sequences, merge_replicas, policy_inputs, rollouts_from_replicas
 from hybridrl.workers.actor import ActorWorker
+from hybridrl.workers.offload import check_offload
 from hybridrl.workers.policy import PolicyLossConfig
 
 
@@ -32,6 +34,7 @@ class Actor(Role):
     optim: config.OptimConfig (lr, weight_decay, betas, clip_grad, warmup_steps, use_distributed_optimizer).
     loss: workers.policy.PolicyLossConfig (clip_ratio, entropy_coef, kl_estimator, policy_loss, loss_agg, ...).
     moe (models with experts): config.MoeConfig, the routers' aux_loss_coef and z_loss_coef.
+    offload: config.OffloadConfig (grads, optimizer: in host memory between updates; params: while vLLM generates).
     Each may be a dict (checked: unknown keys are refused) or the dataclass itself.
     """
 
@@ -41,11 +44,13 @@ class Actor(Role):
                  micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", tokenizer: Any = None, seed: int = 1, role: str = "actor",
-                 call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None) -> None:
+                 call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None,
+                 offload: dict | OffloadConfig | None = None) -> None:
         path = resolve_model_path(model)
         settings = RoleConfig(model=ModelConfig(path, dtype), moe=as_section(MoeConfig, moe, "Actor(moe=...)"),
                               optim=as_section(OptimConfig, optim, "Actor(optim=...)"),
-                              micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                              micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                              offload=as_section(OffloadConfig, offload, "Actor(offload=...)"))
         if isinstance(rollout, dict):  # the short API's engine unless named: native (the trainer resolves auto)
             rollout = {"engine": "native", **rollout}
         self._start(settings, as_section(RolloutConfig, rollout, "Actor(rollout=...)"),
@@ -69,6 +74,7 @@ class Actor(Role):
         self.pool = start_pool(pool)
         self.layout = layout_on(self.pool, parallel, role)
         check_generation(rollout, self.layout)  # before any worker starts
+        check_offload(settings.offload, "actor", rollout.engine)
         super().__init__(ActorWorker, role, self.pool, self.layout,
                          {"role": settings, "rollout": rollout, "tokens": self.tokens, "seed": seed}, seed,
                          call_timeout_s)

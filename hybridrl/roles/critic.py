@@ -5,12 +5,13 @@ from typing import Any
 
 import torch
 
-from hybridrl.config import ModelConfig, OptimConfig, ParallelConfig, RoleConfig, as_section
+from hybridrl.config import ModelConfig, OffloadConfig, OptimConfig, ParallelConfig, RoleConfig, as_section
 from hybridrl.controller import ResourcePool
 from hybridrl.models.tiny import resolve_model_path
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics
 from hybridrl.rollout.types import SEQUENCE_KEYS, as_sequences
+from hybridrl.workers.offload import check_offload
 from hybridrl.workers.value import CriticWorker
 
 
@@ -23,10 +24,12 @@ class Critic(Role):
                  optim: dict | OptimConfig | None = None, micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
                  dtype: str = "float32", seed: int = 1, role: str = "critic",
-                 call_timeout_s: float | None = 3600.0) -> None:
+                 call_timeout_s: float | None = 3600.0, offload: dict | OffloadConfig | None = None) -> None:
         settings = RoleConfig(model=ModelConfig(resolve_model_path(model), dtype),
                               optim=as_section(OptimConfig, optim, "Critic(optim=...)"),
-                              micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                              micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                              offload=as_section(OffloadConfig, offload, "Critic(offload=...)"))
+        check_offload(settings.offload, "critic")
         super().__init__(CriticWorker, role, resource_pool, parallel, {"role": settings, "seed": seed}, seed,
                          call_timeout_s)
 

@@ -33,6 +33,7 @@ from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
 from hybridrl.trainer.config_checks import check_values
+from hybridrl.workers.offload import check_offload
 from hybridrl.workers.policy import PolicyLossConfig
 from hybridrl.workers.rule_reward import load_reward_fn
 
@@ -303,6 +304,7 @@ def _resolve_rollout(cfg: Any, plan: RunPlan, max_len: int) -> RolloutConfig:
     vllm = dataclasses.replace(roll.vllm, dtype=roll.vllm.dtype or cfg.actor.model.dtype)
     roll = dataclasses.replace(roll, engine=engine, max_model_len=max_len, vllm=vllm)
     _check_routing_record(roll, actor.model_path)
+    _check_offload(cfg, roll)
     _plan_rollout_pool(cfg, plan, roll)
     _check_generation_experts(roll, plan)
     try:
@@ -355,6 +357,16 @@ def _rollout_engine(requested: str, model_path: str) -> str:
         logger.warning("rollout.engine=auto: native engine (%s)", reason)
         return "native"
     return "vllm"
+
+
+def _check_offload(cfg: Any, roll: RolloutConfig) -> None:
+    """actor.offload / critic.offload: trained roles only; the actor's weights only beside vLLM's own copy."""
+    try:
+        check_offload(typed(cfg.actor.offload), "actor", roll.engine)
+        check_offload(typed(cfg.ref.offload), "ref")
+        check_offload(typed(cfg.critic.offload), "critic")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_routing_record(roll: RolloutConfig, actor_path: str) -> None:

@@ -34,7 +34,7 @@ def start_roles(cfg: Any, plan: RunPlan, pools: dict[str, ResourcePool], tokeniz
             critic = cfg.critic
             roles[role] = Critic(path, pool, layout, typed(critic.optim), critic.micro_batch_size,
                                  critic.max_tokens_per_micro_batch, critic.model.dtype, seed, role=role,
-                                 call_timeout_s=timeout)
+                                 call_timeout_s=timeout, offload=typed(critic.offload))
     for role, fn, section in (("reward", plan.reward_fn, cfg.reward_model), ("cost", plan.cost_fn, cfg.cost_model)):
         if role in plan.roles:
             layout, pool, path = placed(role)

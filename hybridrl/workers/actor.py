@@ -23,10 +23,12 @@ from hybridrl.hybrid_engine.engine import HybridEngine
 from hybridrl.hybrid_engine.megatron_adapter import training_params
 from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
+from hybridrl.parallel.distributed import release_cached_memory
 from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
+from hybridrl.workers.offload import HostCopy
 from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs, response_mask
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,8 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
                                                tokens=tokens)
             self.engine.release()  # KV cache only while generating
         self._generating = False  # between begin_generation and end_generation
+        # actor.offload.params (vLLM): the actor's weights in host memory from the push to the end of generation
+        self._weights_offload = HostCopy() if role.offload.params else None
 
     # ---- generation ------------------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
@@ -109,8 +113,12 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         start = time.perf_counter()
         gen_model = self.hybrid.to_generation()
         self._generating = True
+        release_cached_memory()  # what torch's allocator holds free goes back: vLLM's own allocator wakes into it
         self.engine.wake_weights()
         self._push_weights(gen_model)
+        if self._weights_offload is not None:  # vLLM holds its own copy now: ours waits in host memory
+            self._weights_offload.offload(gen_model.parameters())
+            release_cached_memory()
         self.engine.wake()
         return time.perf_counter() - start
 
@@ -143,6 +151,8 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
             return 0.0
         start = time.perf_counter()
         self.engine.release()
+        if self._weights_offload is not None:
+            self._weights_offload.restore()  # back before the switch: it reads the generation buffer
         self.hybrid.to_training()
         self._generating = False
         return time.perf_counter() - start

@@ -148,3 +148,19 @@ class TrainingStateOffload:
 
     def restore(self) -> int:
         return self._copy.restore()
+
+
+def check_offload(offload: Any, role: str, engine: str | None = None) -> None:
+    """Refuse offload settings a role cannot honour (`offload`: config.OffloadConfig; `engine`: the actor's resolved
+    rollout engine). ValueError names the option and the fix; the trainer's plan and the short API both call it."""
+    if not (offload.grads or offload.optimizer or offload.params):
+        return
+    if role not in ("actor", "critic", "cost_critic"):
+        raise ValueError(f"{role}.offload: a frozen role has no gradients or optimizer state to offload; unset it")
+    if offload.params and role != "actor":
+        raise ValueError(f"{role}.offload.params: only the actor's weights wait in host memory (while vLLM "
+                         f"generates); unset it")
+    if offload.params and engine != "vllm":
+        raise ValueError(f"actor.offload.params=true keeps the actor's weights in host memory while vLLM generates "
+                         f"from its own copy; with rollout.engine={engine} those weights are what generates: set "
+                         f"rollout.engine=vllm or actor.offload.params=false")
