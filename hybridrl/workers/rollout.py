@@ -109,8 +109,9 @@ class RolloutWorker(Worker):
     def _newer_weights_sent(self) -> bool:
         """Whether syncs newer than this replica's weights were sent (the same answer on every rank of a
         replica's TP group: they agree on the oldest count any of them read)."""
-        sent = torch.tensor([self._bridge.announced()], dtype=torch.long)
         group = self.engine.tp_group
+        # on the bridge's device: the replica's TP group is an NCCL group on GPUs, which refuses host tensors
+        sent = torch.tensor([self._bridge.announced()], dtype=torch.long, device=self._bridge.device)
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(sent, op=torch.distributed.ReduceOp.MIN, group=group)
         self._sent = int(sent.item())
