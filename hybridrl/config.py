@@ -247,6 +247,9 @@ class TrainerConfig:
     project: str = "hybridrl"  # wandb project / MLflow experiment
     progress_bar: bool = True
     call_timeout_s: float = 900.0
+    # how long a role may take to start (load its shard, build the generation model, start vLLM); None: 300 s + 30 s
+    # per billion parameters of the largest model (a cold 70B start reads 140 GB)
+    start_timeout_s: Optional[float] = None
     hang_timeout_s: float = 300.0  # a call without progress this long (scaled up by the step times seen) is
     # a hang: stacks dumped into the run folder, recovered like a dead worker (controller/watchdog.py); 0: off
 

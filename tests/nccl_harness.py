@@ -83,7 +83,16 @@ class _HostMarks(TorchFunctionMode):
             if site is not None:
                 for tensor in _tensors(out):
                     setattr(tensor, MARK, site)
+        elif func is torch.Tensor.to and self._moved_to_device(args, kwargs):
+            for tensor in _tensors(out):  # .to(the device) of a CPU tensor returns it as it is here, a copy there
+                if hasattr(tensor, MARK):
+                    delattr(tensor, MARK)
         return out
+
+    @staticmethod
+    def _moved_to_device(args, kwargs) -> bool:
+        where = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        return where is not None and not _is_host_device(where)
 
     @staticmethod
     def _made_on_host(func, args, kwargs) -> bool:

@@ -114,3 +114,33 @@ def test_device_group_collectives_get_device_tensors(dist_pool, moe_dir):
         assert r["expert_tokens"] > 0 and r["update_collectives"] >= 3, (rank, r)
         assert r["generated"] > 0 and r["generation_collectives"] >= 1, (rank, r)
         assert r["newer"] and r["sent"] == 2, (rank, r)  # the two TP ranks agree on the smaller count
+
+
+def _export_under_the_harness(model_dir):
+    """The HF export at PP=2: rank 1's layers reach rank 0 one tensor at a time over point-to-point messages on the
+    collective device (before: one gather_object of whole state dicts, world x a rank's part on rank 0's GPU)."""
+    from nccl_harness import device_collectives
+    from safetensors.torch import load_file
+
+    from hybridrl.models import build_gpt_model, load_hf_config, load_hf_weights
+    from hybridrl.models.checkpoint_hf import gather_hf_state_dict
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+
+    initialize_model_parallel(ParallelLayout(pp=2))
+    hf = load_hf_config(model_dir)
+    model = build_gpt_model(hf)
+    load_hf_weights(model, model_dir, hf)
+    with device_collectives() as seen:
+        state = gather_hf_state_dict(model, hf)
+    if state is None:
+        return {"messages": seen.checked}
+    source = load_file(f"{model_dir}/model.safetensors")
+    return {"messages": seen.checked, "same_names": sorted(state) == sorted(source),
+            "equal": all(torch.equal(state[n], source[n]) for n in source)}
+
+
+def test_hf_export_sends_tensor_by_tensor(dist_pool, moe_dir):
+    results = dist_pool(WORLD).run(_export_under_the_harness, moe_dir)
+    assert results[0]["same_names"] and results[0]["equal"]
+    assert results[1]["messages"] > 10 and results[0]["messages"] == results[1]["messages"]  # one send per tensor

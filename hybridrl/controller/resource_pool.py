@@ -45,6 +45,7 @@ class ResourcePool:
     devices_per_node: int | None = None
     name: str = "pool"
     placement_timeout_s: float = 120.0
+    start_timeout_s: float = 300.0  # how long each role's workers may take to start on this pool
     device_labels: list[str] = field(init=False)
     _placement_groups: list[Any] = field(default_factory=list, init=False, repr=False)
     _hosts: PoolProcesses | None = field(default=None, init=False, repr=False)

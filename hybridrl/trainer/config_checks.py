@@ -121,6 +121,8 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("trainer.log_every",), _at_least(0), "must be >= 0", "0: no console lines"),
     (("trainer.project",), _names, "must not be empty", "hybridrl"),
     (("trainer.call_timeout_s",), _above(0), "must be > 0", "seconds one worker call may take"),
+    (("trainer.start_timeout_s",), _optional(_above(0)), "must be > 0",
+     "leave unset: 300 s + 30 s per billion parameters of the largest model"),
 ]
 
 

@@ -11,22 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hybridrl.algorithms.kl_control import KL_CONTROLLER_TYPES
 from hybridrl.algorithms.loss_agg import check_loss_agg
-from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
+from hybridrl.algorithms.registry import (AlgorithmSpec,
+                                          import_algorithm_module,
+                                          validate_algorithm)
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
 from hybridrl.config import ROLE_SECTIONS, ConfigError, RolloutConfig, typed
+from hybridrl.controller.worker_group import (DEFAULT_START_TIMEOUT_S,
+                                              start_timeout_for)
 from hybridrl.data.tasks import task_reward_path
 from hybridrl.envs import env_class
 from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models import load_hf_config
 from hybridrl.models.config import CheckpointError
-from hybridrl.models.families import ModelDims
+from hybridrl.models.families import ModelDims, family_for
 from hybridrl.models.tiny import TINY_PREFIX, resolve_model_path
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
 from hybridrl.roles.actor import check_generation
@@ -64,6 +69,7 @@ class RunPlan:
     rows_per_step: int = 0  # sampled sequences per step (batch_size * n)
     # generation batches in flight ahead of training: 0 sync, 1 one_step_off, algorithm.max_staleness async
     rollout_ahead: int = 0
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S  # each role's start (trainer.start_timeout_s, or by model size)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -88,6 +94,7 @@ def plan_run(cfg: Any) -> RunPlan:
                    loss=_loss(cfg, spec, loss_agg, response_length), response_length=response_length,
                    rows_per_step=rows)
     _place_roles(cfg, plan)
+    plan.start_timeout_s = _start_timeout(cfg, plan)
     plan.rollout = _resolve_rollout(cfg, plan, max_len)
     _check_batch_splits(plan)
     _plan_rewards(cfg, plan)
@@ -248,6 +255,21 @@ def _place_roles(cfg: Any, plan: RunPlan) -> None:
         plan.roles[role] = RolePlan(role, role_cfg.pool, layout, paths[role])
 
 
+def _start_timeout(cfg: Any, plan: RunPlan) -> float:
+    """trainer.start_timeout_s, or scaled by the largest model's parameters (a fixed 300 s ended cold 13B+ starts:
+    the actor loads its shard, builds its generation model and starts vLLM)."""
+    if cfg.trainer.start_timeout_s is not None:
+        return float(cfg.trainer.start_timeout_s)
+    sizes = []
+    for path in {role.model_path for role in plan.roles.values()} - {None}:
+        try:
+            hf = load_hf_config(path)
+            sizes.append(sum(math.prod(shape) for shape in family_for(hf).expected_hf_tensors(hf).values()))
+        except (CheckpointError, ValueError, OSError, KeyError):  # only an estimate: the role's own start says why
+            continue
+    return start_timeout_for(max(sizes, default=0))
+
+
 def _model_dir(path: str | None, option: str) -> str:
     if path is None or str(path).startswith(TINY_PREFIX):
         try:
@@ -329,13 +351,15 @@ def _vllm_unsupported(model_path: str) -> str | None:
         return None
     hf = load_hf_config(model_path)
     if ModelDims.from_hf(hf).moe is not None:
-        from megatron_patches.vllm_cpu_moe_reload import unsupported  # imports vLLM (~10 s): only here
+        from megatron_patches.vllm_cpu_moe_reload import \
+            unsupported  # imports vLLM (~10 s): only here
 
         if (reason := unsupported()) is not None:
             return reason
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # vLLM's import is slow: only here
+        from vllm.v1.attention.backends.cpu_attn import \
+            CPUAttentionBackend  # vLLM's import is slow: only here
 
         supported = list(CPUAttentionBackend.get_supported_head_sizes())
     except ImportError as exc:
