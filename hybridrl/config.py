@@ -103,6 +103,16 @@ LORA_INITS = ("kaiming", "gaussian")
 
 
 @dataclass
+class OffloadConfig:
+    """What a trained role keeps in host memory while it is not needed (workers/offload.py): room on a colocated GPU
+    for generation's KV cache. Trained roles (actor, critic) only."""
+
+    grads: bool = False  # fp32 gradient buffers freed between updates (each update zeroes them first)
+    optimizer: bool = False  # fp32 main weights + Adam moments in host memory between updates (moved back bit-exactly)
+    params: bool = False  # actor with rollout.engine=vllm: its weights in host memory while vLLM generates
+
+
+@dataclass
 class RoleConfig:
     """A Megatron-backed role (actor, critic, reference, reward/cost model)."""
 
@@ -114,6 +124,7 @@ class RoleConfig:
     micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is null
     max_tokens_per_micro_batch: Optional[int] = 8192  # pack sequences into micro-batches of at most this many tokens
     pool: str = "default"  # resource pool name; roles on one pool colocate
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # trained roles: state in host memory when idle
 
 
 @dataclass
@@ -121,10 +132,14 @@ class VllmConfig:
     """vLLM's engine settings (rollout.engine=vllm); the CPU defaults keep a tiny model's engine under ~1 GiB."""
 
     dtype: Optional[str] = None  # None: the actor's dtype (actor.model.dtype), so log-probs match the trainer's
-    kv_cache_memory_bytes: Optional[int] = 64 << 20  # CPU: size of the KV cache (vLLM's CPU default is GiBs)
-    gpu_memory_utilization: float = 0.5  # GPU: share of GPU memory vLLM may take (weights + KV cache)
+    # the KV cache's bytes per device; None: 64 MiB on CPU, on GPU what gpu_memory_utilization leaves after vLLM's
+    # weights and activations
+    kv_cache_memory_bytes: Optional[int] = None
+    # GPU: share of the device vLLM takes while awake (its weights + activations + KV cache); it must be free
+    # when the engine starts and beside what stays on a colocated GPU while generating (hybridrl plan counts it)
+    gpu_memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
-    enable_sleep_mode: bool = True  # GPU only: release()/wake() free and restore the KV cache
+    enable_sleep_mode: bool = True  # GPU: between generations the engine gives back its weights and KV cache
 
 
 @dataclass
@@ -371,6 +386,9 @@ class TrainerConfig:
     project: str = "hybridrl"  # wandb project / MLflow experiment
     progress_bar: bool = True
     call_timeout_s: float = 900.0
+    # how long a role may take to start (load its shard, build the generation model, start vLLM); None: 300 s + 30 s
+    # per billion parameters of the largest model (a cold 70B start reads 140 GB)
+    start_timeout_s: Optional[float] = None
     hang_timeout_s: float = 300.0  # a call without progress this long (scaled up by the step times seen) is
     # a hang: stacks dumped into the run folder, recovered like a dead worker (controller/watchdog.py); 0: off
     # SIGTERM / SIGINT: finish the step in flight and save one more checkpoint first, when that fits into

@@ -7,11 +7,13 @@ from typing import Any, Callable
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
+
 # The megatron-core releases these shims are written for. 0.17-0.19 need Python >= 3.12 (not testable
 # here); the same CPU checks were run by hand on 0.19.2 (Python 3.12) and passed. CI checks 0.16.1, the
 # newest release for Python 3.11.
-SUPPORTED = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+SUPPORTED = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 
 _ORIGINAL = "_hybridrl_original"
 

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from packaging.specifiers import SpecifierSet
 
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
 from megatron_patches._base import replace, wraps
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 UPSTREAM = ("megatron/core/**: torch.cuda.current_device/synchronize/nvtx/Stream/Event/current_stream, "
             "device='cuda' tensor factories, Tensor.cuda(), Tensor.to('cuda'), pin_memory")
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from packaging.specifiers import SpecifierSet
 
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
 from megatron_patches._base import replace
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 UPSTREAM = "megatron/core/distributed/torch_fully_sharded_data_parallel.py: DeviceMesh.from_group(group, 'cuda')"
 
 

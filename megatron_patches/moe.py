@@ -1,15 +1,10 @@
-"""MoE without Transformer Engine and without CUDA.
+"""MoE on CPU through gloo (the router without Transformer Engine: moe_gemm.py, needed on GPUs without TE too).
 
-1. Upstream: megatron/core/transformer/moe/moe_utils.py imports `te_general_gemm` only inside its
-   `try: import transformer_engine` block, yet `RouterGatingLinearFunction.forward/backward` test
-   `te_general_gemm is not None`; without TE that raises "NameError: name 'te_general_gemm' is not
-   defined" on the first MoE router forward.
-   Fix: define it as None when it is missing (the router then uses torch.matmul).
-2. Upstream: the all-to-all token dispatcher turns its split sizes into numpy arrays with
+1. Upstream: the all-to-all token dispatcher turns its split sizes into numpy arrays with
    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA tensors; on CPU they stay
    tensors and `all_to_all_single` refuses them ("incompatible function arguments") at expert parallel > 1.
    Fix: convert CPU tensors too when numpy is asked for.
-3. Upstream: with sequence parallelism the all-to-all dispatcher gathers / reduce-scatters the routed tokens
+2. Upstream: with sequence parallelism the all-to-all dispatcher gathers / reduce-scatters the routed tokens
    over the TP group in uneven pieces (tensor_parallel/mappings.py `_gather_along_first_dim` and
    `_reduce_scatter_along_first_dim` with split sizes); gloo's all_gather needs equal sizes ("invalid tensor
    size") and has no reduce_scatter.
@@ -22,17 +17,17 @@ from __future__ import annotations
 import torch
 from packaging.specifiers import SpecifierSet
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
-UPSTREAM = ("megatron/core/transformer/moe/moe_utils.py: te_general_gemm (RouterGatingLinearFunction), "
-            "maybe_move_tensor_to_cpu (token_dispatcher.MoEAlltoAllTokenDispatcher split sizes)")
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
+
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
+UPSTREAM = ("megatron/core/transformer/moe/moe_utils.py: maybe_move_tensor_to_cpu (token_dispatcher."
+            "MoEAlltoAllTokenDispatcher split sizes); tensor_parallel/mappings.py uneven first-dim gather / scatter")
 
 
 def apply() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     upstream = moe_utils.maybe_move_tensor_to_cpu
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):

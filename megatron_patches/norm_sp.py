@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 from packaging.specifiers import SpecifierSet
 
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
 from megatron_patches._base import replace
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 UPSTREAM = "megatron/core/transformer/torch_norm.py: WrappedTorchNorm.__new__"
 
 NORM_TYPES = (torch.nn.LayerNorm, torch.nn.RMSNorm)

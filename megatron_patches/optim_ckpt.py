@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 from packaging.specifiers import SpecifierSet
 
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
 from megatron_patches._base import replace, wraps
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 UPSTREAM = ("megatron/core/optimizer/distrib_optimizer.py: DistributedOptimizer.sharded_state_dict, "
             "_set_main_param_and_optimizer_states, load_state_dict")
 

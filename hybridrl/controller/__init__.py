@@ -13,13 +13,12 @@ from hybridrl.controller.ray_cluster import _ray_environment
 _ray_environment()  # before anything imports ray: loopback, no usage stats, consistent auth
 
 from hybridrl.controller.dispatch import (CallPlan, Dispatch, MethodSpec, get_dispatch_mode, register,
-                                         register_dispatch_mode)
+                                          register_dispatch_mode)
 from hybridrl.controller.ray_cluster import ensure_ray, init_local_ray, shutdown_ray
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker import Worker, WorkerContext
-from hybridrl.controller.worker_group import (GroupFuture, WorkerDiedError, WorkerError, WorkerGroup,
-                                              WorkerHungError, WorkerTimeoutError, create_colocated_worker_group,
-                                              wait_all)
+from hybridrl.controller.worker_group import (GroupFuture, WorkerDiedError, WorkerError, WorkerGroup, WorkerHungError,
+                                              WorkerTimeoutError, create_colocated_worker_group, wait_all)
 
 __all__ = [
     "CallPlan", "Dispatch", "MethodSpec", "get_dispatch_mode", "register", "register_dispatch_mode", "ensure_ray",

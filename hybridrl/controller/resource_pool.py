@@ -54,6 +54,7 @@ class ResourcePool:
     devices_per_node: int | list[int] | None = None
     name: str = "pool"
     placement_timeout_s: float = 120.0
+    start_timeout_s: float = 300.0  # how long each role's workers may take to start on this pool
     device_labels: list[str] = field(init=False)
     node_split: list[int] = field(init=False)  # devices on each node of the run (zeros: nodes it leaves out)
     _placement_groups: list[Any] = field(default_factory=list, init=False, repr=False)

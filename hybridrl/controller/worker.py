@@ -169,7 +169,16 @@ class WorkerHost:
         _exit_quietly_on_sigterm()
         import torch
 
-        if not torch.cuda.is_available():
+        if torch.cuda.is_available():
+            import ray
+
+            # LOCAL_RANK names this worker's GPU among those it sees (torch.cuda.set_device, vLLM's launcher):
+            # Ray shows each worker its own GPU only, so it is not the node slot
+            os.environ["LOCAL_RANK"] = str(distributed.local_device_index(
+                local_rank, os.environ.get("CUDA_VISIBLE_DEVICES"), [str(g) for g in ray.get_gpu_ids()]))
+            for key, value in distributed.GPU_ENVIRONMENT.items():  # before CUDA starts; the user's own win
+                os.environ.setdefault(key, value)
+        else:
             # On CPU, N workers per node must not each spawn one thread per core (2 cores, 4 ranks).
             threads = cpu_threads_per_worker(local_world_size)
             os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -16,8 +16,8 @@ import cloudpickle
 
 from hybridrl.controller.dispatch import CallPlan, Dispatch, MethodSpec, plan_call, registered_methods
 from hybridrl.controller.interrupts import Interrupted, raise_if_requested
-from hybridrl.controller.watchdog import WATCHDOG
 from hybridrl.controller.resource_pool import ResourcePool
+from hybridrl.controller.watchdog import WATCHDOG
 from hybridrl.controller.worker import RemoteFailure, Worker, WorkerHost
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
@@ -26,6 +26,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT_S = 3600.0
 DEFAULT_START_TIMEOUT_S = 300.0
+START_SECONDS_PER_BILLION_PARAMS = 30.0  # a cold start reads the weights, builds models, starts vLLM
+
+
+def start_timeout_for(parameters: int) -> float:
+    """How long a role of a model with this many parameters may take to start (trainer.start_timeout_s unset)."""
+    return DEFAULT_START_TIMEOUT_S + START_SECONDS_PER_BILLION_PARAMS * parameters / 1e9
 _POLL_S = 0.5  # how often a waiting driver checks for a failed rank while others still run
 
 
@@ -319,7 +325,7 @@ class WorkerGroup:
     def __init__(self, pool: ResourcePool, worker_cls: type[Worker], layout: ParallelLayout | None = None,
                  role: str | None = None, init_args: tuple = (), init_kwargs: dict | None = None,
                  call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S, init_megatron: bool = True,
-                 seed: int = 1234, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 seed: int = 1234, start_timeout_s: float | None = None,
                  process_group_timeout_s: float = 600.0) -> None:
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"WorkerGroup: worker_cls must subclass hybridrl.controller.Worker, got {worker_cls!r}")
@@ -339,6 +345,7 @@ class WorkerGroup:
         if clash:
             raise ValueError(f"{worker_cls.__name__}: registered method(s) {clash} clash with WorkerGroup attributes; rename them")
         self.pool, self.layout, self.role, self.call_timeout_s = pool, layout, role, call_timeout_s
+        start_timeout_s = pool.start_timeout_s if start_timeout_s is None else start_timeout_s
         if hosts is None:
             hosts = pool._hosts = _PoolHosts(pool, start_timeout_s, process_group_timeout_s)
         self._hosts = hosts

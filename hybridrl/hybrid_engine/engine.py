@@ -27,11 +27,11 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridrl.hybrid_engine.experts import expert_stage
-from hybridrl.hybrid_engine.megatron_adapter import (attach_generation_weights, detach_generation_weights,
-                                                     generation_parameter_shapes, generation_pg_collection,
+from hybridrl.hybrid_engine.megatron_adapter import (attach_generation_weights, build_generation_model,
+                                                     detach_generation_weights, generation_pg_collection,
                                                      training_params)
 from hybridrl.hybrid_engine.reshard import Resharder, ReshardStats
-from hybridrl.models.builder import build_gpt_model, unwrap
+from hybridrl.models.builder import unwrap
 from hybridrl.parallel.generation import GenerationGroups, GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import ParallelLayout
 
@@ -78,11 +78,10 @@ class HybridEngine:
         stage = layout.coords(self.rank).pp
         pgs = generation_pg_collection(self.groups)
         inner = unwrap(train_model)
-        self.gen_model = build_gpt_model(hf_config, pg_collection=pgs, dtype=next(inner.parameters()).dtype,
-                                         padded_vocab_size=inner.hybridrl_args.padded_vocab_size)
-        self.gen_model.eval()
-        self._gen_shapes = generation_parameter_shapes(self.gen_model)
-        detach_generation_weights(self.gen_model)  # its weights will view the generation buffer
+        first = next(inner.parameters())
+        # no memory for its weights (meta build): they will view the generation buffer
+        self.gen_model, self._gen_shapes = build_generation_model(
+            hf_config, pgs, first.dtype, inner.hybridrl_args.padded_vocab_size, first.device)
         params = training_params(train_model, stage)
         self.experts = None  # expert parallelism: the other ranks' experts are gathered first (experts.py)
         if layout.ep > 1 or layout.expert_tp != layout.tp:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridrl.hybrid_engine.model_shapes import CONCAT, GATED_HALVES
 from hybridrl.hybrid_engine.reshard import ShardedParam, new_group_of
-from hybridrl.models.builder import named_global_parameters
+from hybridrl.models.builder import build_gpt_model, named_global_parameters, unwrap
 from hybridrl.models.families import is_gated_fc1, tp_partition_dim
 from hybridrl.parallel.generation import GenerationGroups
 from hybridrl.parallel.distributed import fsdp_row_slice
@@ -132,7 +132,40 @@ def attach_generation_weights(gen_model: Any, tensors: dict[str, torch.Tensor],
 
 
 @torch.no_grad()
-def detach_generation_weights(gen_model: Any) -> None:
-    """Drop every parameter's storage (shapes become [0]) so the model holds no parameter memory."""
-    for _, param in named_global_parameters(gen_model):
-        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+def detach_generation_weights(gen_model: Any, device: torch.device | None = None) -> None:
+    """Drop every parameter's storage (shapes become [0]) so the model holds no parameter memory. A model built on
+    the meta device (build_generation_model) gets real, empty parameters on `device` here (Megatron's partition
+    attributes kept), and its meta buffers real zeros there."""
+    fresh: dict[int, torch.nn.Parameter] = {}  # a parameter registered twice stays one object
+    for module in unwrap(gen_model).modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if param.device.type != "meta":  # (TE layers allocate on the host when built for CPU initialisation)
+                param.data = torch.empty(0, dtype=param.dtype, device=device or param.device)
+                continue
+            if id(param) not in fresh:
+                real = torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device=device),
+                                          requires_grad=param.requires_grad)
+                real.__dict__.update(param.__dict__)
+                fresh[id(param)] = real
+            module._parameters[name] = fresh[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device.type == "meta":
+                module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
+
+
+def build_generation_model(hf_config: Any, pg_collection: Any, dtype: torch.dtype, padded_vocab_size: int,
+                           device: torch.device) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """The generation-layout model WITHOUT allocating its weights: built on the meta device (no initialisation),
+    then given empty parameters on `device` (the reshard fills them on every transition). Returns the model and
+    its parameter shapes. Built with real random weights it would take the whole generation shard of memory (and
+    the time to initialise it) once, and leave that much in torch's allocator cache on a GPU."""
+    with torch.device("meta"):
+        gen_model = build_gpt_model(hf_config, pg_collection=pg_collection, dtype=dtype,
+                                    padded_vocab_size=padded_vocab_size, use_cpu_initialization=True,
+                                    perform_initialization=False)
+    gen_model.eval()
+    shapes = generation_parameter_shapes(gen_model)
+    detach_generation_weights(gen_model, device)
+    return gen_model, shapes

@@ -9,6 +9,7 @@ import torch
 from hybridrl.models.config import GPTArgs, gpt_args_from_hf, transformer_config_from_hf
 from hybridrl.models.families import ModelDims, expert_number, family_for, renumber_expert
 from hybridrl.parallel.distributed import use_cuda
+from hybridrl.versions import transformer_engine_usable
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +50,9 @@ class ScalarHead(torch.nn.Module):
 
 
 def uses_transformer_engine() -> bool:
-    """True where models get TransformerEngine's layer spec: on GPU when transformer_engine imports."""
-    if not use_cuda():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """True where models get TransformerEngine's layer spec: on GPU when transformer_engine imports (a release in
+    hybridrl/versions.py's range; another one is refused with the fix)."""
+    return use_cuda() and transformer_engine_usable()
 
 
 def shares_rows() -> bool:
@@ -132,7 +128,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     ep, expert_tp = _expert_sizes(pg_collection) if ModelDims.from_hf(hf_config).moe is not None else (1, None)
     config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
                                         dtype=dtype, on_gpu=use_cuda(), ep=ep, expert_tp=expert_tp,
-                                        **config_overrides)
+                                        transformer_engine=uses_transformer_engine(), **config_overrides)
     tie = args.tie_embeddings and head == "lm"
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(

@@ -18,6 +18,7 @@ from hybridrl.models.builder import named_global_parameters, unwrap
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.families import (GATE_UP, PLAIN, QKV, VOCAB, ModelDims, ModelFamily, expert_number, family_for,
                                       fuse_qkv, is_tied, tp_gather, tp_partition_dim)
+from hybridrl.parallel.distributed import device
 
 logger = logging.getLogger(__name__)
 
@@ -226,11 +227,13 @@ def iter_full_hf_tensors(model: Any, hf_config: Any) -> Iterator[tuple[str, torc
 
 @torch.no_grad()
 def gather_hf_state_dict(model: Any, hf_config: Any) -> dict[str, torch.Tensor] | None:
-    """The whole HF state dict on global rank 0 (None elsewhere); collective over all ranks.
+    """The whole HF state dict on global rank 0's host memory (None elsewhere); collective over all ranks.
 
     Each tensor comes from one place: the dense ones from data-parallel replica 0, each expert from the
     expert-parallel rank holding it in expert-data-parallel replica 0; TP shards (experts: expert-TP shards) are
-    gathered first, and rank 0 of each such group sends its tensors to rank 0.
+    gathered first. Rank 0 then receives the other holders' tensors one at a time on the collective device (NCCL
+    on GPUs) and moves each to host memory before the next: its device holds one tensor, not world x a rank's part
+    (a gather_object of whole state dicts stages every rank's pickled part on rank 0's device at once).
     """
     from megatron.core import parallel_state as ps
 
@@ -249,12 +252,31 @@ def gather_hf_state_dict(model: Any, hf_config: Any) -> dict[str, torch.Tensor] 
         if wanted[is_expert]:
             for hf_name, tensor in inner.hybridrl_family.to_hf(name, full, hf_config, inner.hybridrl_head):
                 local[hf_name] = tensor.cpu().clone()
-    rank = torch.distributed.get_rank()
-    gathered = [None] * torch.distributed.get_world_size() if rank == 0 else None
-    torch.distributed.gather_object(local, gathered, dst=0)
+    return _collect_on_root(local)
+
+
+def _collect_on_root(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every rank's named host tensors on rank 0: the names, shapes and dtypes by gather_object (small), then the
+    tensors point to point on the collective device, one at a time."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    manifest = [(name, tuple(t.shape), t.dtype) for name, t in local.items()]
+    manifests = [None] * world if rank == 0 else None
+    torch.distributed.gather_object(manifest, manifests, dst=0)
+    where = device()
     if rank != 0:
+        for tensor in local.values():
+            staged = tensor.to(where)
+            torch.distributed.send(staged, dst=0)
+            if where.type == "cuda":  # the send completes before the next tensor is staged: one on the device
+                torch.cuda.current_stream().synchronize()
         return None
-    return {name: tensor for part in gathered for name, tensor in part.items()}
+    state = dict(local)
+    for source in range(1, world):
+        for name, shape, dtype in manifests[source]:
+            buffer = torch.empty(shape, dtype=dtype, device=where)
+            torch.distributed.recv(buffer, src=source)
+            state[name] = buffer.cpu()
+    return state
 
 
 def export_hf_config(hf_config: Any, out_dir: Path, dtype: torch.dtype | None = None) -> None:

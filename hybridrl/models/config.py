@@ -132,10 +132,34 @@ def gpt_args_from_hf(hf_config: Any, tp: int, padded_vocab_size: int | None = No
                    tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
+def compiled_softmax_available() -> bool:
+    """Whether the masked-softmax kernels Megatron's local attention fuses with are importable (apex's / Megatron's
+    compiled extensions; the local spec imports them inside its forward, so a fusion without them fails there)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None
+               for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
+
+
+def fusion_settings(on_gpu: bool, transformer_engine: bool, softmax_kernels: bool) -> dict[str, bool]:
+    """Megatron's kernel fusions this process can run (issue 36 items 9, 10: a GPU without TE must not assert):
+    - bias-activation (SwiGLU) and bias-dropout fusions are torch.jit / torch.compile kernels: every GPU (on CPU
+      they compile through torch.compile for 15-20 s per process: off);
+    - RoPE fusion and gradient-accumulation fusion are Transformer Engine's kernels (TE's linears accumulate
+      weight gradients straight into Megatron's fp32 main_grad): with TE only;
+    - persist_layer_norm is apex's persistent LayerNorm kernel; the local spec's torch RMSNorm asserts it off;
+    - the masked-softmax fusion is used by the local attention only, with compiled kernels present."""
+    return dict(bias_activation_fusion=on_gpu, bias_dropout_fusion=on_gpu,
+                apply_rope_fusion=on_gpu and transformer_engine,
+                gradient_accumulation_fusion=on_gpu and transformer_engine,
+                masked_softmax_fusion=on_gpu and not transformer_engine and softmax_kernels,
+                persist_layer_norm=False)
+
+
 def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                                dtype: torch.dtype = torch.float32, on_gpu: bool = False, ep: int = 1,
-                               expert_tp: int | None = None, **overrides: Any):
-    """The Megatron TransformerConfig of a Llama/Qwen2 HF config (fusions off and CPU init on CPU). For a
+                               expert_tp: int | None = None, transformer_engine: bool = False, **overrides: Any):
+    """The Megatron TransformerConfig of a Llama/Qwen2 HF config (fusions by fusion_settings, CPU init on CPU). For a
     mixture-of-experts model `ep` and `expert_tp` must be the sizes the model runs at: Megatron's expert layers
     read them from the config to mark their weights expert-parallel (`param.allreduce=False`), which DDP and the
     optimizer use to reduce their gradients over the expert-data-parallel group instead of the whole DP group."""
@@ -156,9 +180,7 @@ def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, sequ
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True,
-        # The fused kernels compile through torch.compile on CPU (15-20 s per process): GPU only.
-        bias_activation_fusion=on_gpu, masked_softmax_fusion=on_gpu, bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False, persist_layer_norm=on_gpu, gradient_accumulation_fusion=False,
+        **fusion_settings(on_gpu, transformer_engine, on_gpu and compiled_softmax_available()),
         cross_entropy_loss_fusion=False,
         use_cpu_initialization=not on_gpu,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),

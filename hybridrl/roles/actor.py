@@ -8,8 +8,8 @@ from typing import Any, Iterator
 
 import torch
 
-from hybridrl.config import (LoraConfig, ModelConfig, MoeConfig, OptimConfig, ParallelConfig, RoleConfig, RolloutConfig,
-                             as_section)
+from hybridrl.config import (LoraConfig, ModelConfig, MoeConfig, OffloadConfig, OptimConfig, ParallelConfig, RoleConfig,
+                             RolloutConfig, as_section)
 from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.hub import resolve_model
@@ -23,6 +23,7 @@ from hybridrl.rollout import SamplingParams, TokenIds, sampling_params_from_conf
 from hybridrl.rollout.prompts import check_prompts, encode_prompts, left_pad
 from hybridrl.rollout.types import Rollout, as_sequences, merge_replicas, policy_inputs, rollouts_from_replicas
 from hybridrl.workers.actor import ActorWorker
+from hybridrl.workers.offload import check_offload
 from hybridrl.workers.policy import PolicyLossConfig
 
 
@@ -40,6 +41,7 @@ class Actor(Role):
     moe (models with experts): config.MoeConfig, the routers' aux_loss_coef and z_loss_coef.
     lora: config.LoraConfig (rank, alpha, dropout, target_modules, init): train adapters only, the base frozen;
     `reference_log_probs` then gives the base model's log-probs (the reference policy, no second model).
+    offload: config.OffloadConfig (grads, optimizer: in host memory between updates; params: while vLLM generates).
     Each may be a dict (checked: unknown keys are refused) or the dataclass itself.
     """
 
@@ -51,13 +53,14 @@ class Actor(Role):
                  dtype: str = "float32", tokenizer: Any = None, seed: int = 1, role: str = "actor",
                  call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None,
                  parallel_config: dict | ParallelConfig | ParallelLayout | None = None,
-                 lora: dict | LoraConfig | None = None) -> None:
+                 lora: dict | LoraConfig | None = None, offload: dict | OffloadConfig | None = None) -> None:
         parallel = parallel_argument(parallel, parallel_config, "Actor")
         path = resolve_model(model, "Actor(model=...)")  # a hub id is fetched here, before any worker starts
         settings = RoleConfig(model=ModelConfig(path, dtype), moe=as_section(MoeConfig, moe, "Actor(moe=...)"),
                               lora=checked_lora(lora, "Actor(lora=...)"),
                               optim=as_section(OptimConfig, optim, "Actor(optim=...)"),
-                              micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                              micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                              offload=as_section(OffloadConfig, offload, "Actor(offload=...)"))
         if rollout is None or isinstance(rollout, dict):  # the short API's engine unless named: native (the
             rollout = {"engine": "native", **(rollout or {})}  # trainer resolves auto)
         self._start(settings, as_section(RolloutConfig, rollout, "Actor(rollout=...)"),
@@ -81,6 +84,7 @@ class Actor(Role):
         self.pool = start_pool(pool)
         self.layout = layout_on(self.pool, parallel, role)
         check_generation(rollout, self.layout)  # before any worker starts
+        check_offload(settings.offload, "actor", rollout.engine)
         super().__init__(ActorWorker, role, self.pool, self.layout,
                          {"role": settings, "rollout": rollout, "tokens": self.tokens, "seed": seed}, seed,
                          call_timeout_s)

@@ -5,13 +5,14 @@ from typing import Any
 
 import torch
 
-from hybridrl.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig, RoleConfig, as_section
+from hybridrl.config import LoraConfig, ModelConfig, OffloadConfig, OptimConfig, ParallelConfig, RoleConfig, as_section
 from hybridrl.controller import ResourcePool
 from hybridrl.models.hub import resolve_model
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.roles.base import (DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, checked_lora,
                                  parallel_argument)
 from hybridrl.rollout.types import SEQUENCE_KEYS, as_sequences
+from hybridrl.workers.offload import check_offload
 from hybridrl.workers.value import CriticWorker
 
 
@@ -27,12 +28,14 @@ class Critic(Role):
                  dtype: str = "float32", seed: int = 1, role: str = "critic",
                  call_timeout_s: float | None = 3600.0,
                  parallel_config: dict | ParallelConfig | ParallelLayout | None = None,
-                 lora: dict | LoraConfig | None = None) -> None:
+                 lora: dict | LoraConfig | None = None, offload: dict | OffloadConfig | None = None) -> None:
         parallel = parallel_argument(parallel, parallel_config, "Critic")
         settings = RoleConfig(model=ModelConfig(resolve_model(model, "Critic(model=...)"), dtype),
                               optim=as_section(OptimConfig, optim, "Critic(optim=...)"),
                               lora=checked_lora(lora, "Critic(lora=...)"),
-                              micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                              micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                              offload=as_section(OffloadConfig, offload, "Critic(offload=...)"))
+        check_offload(settings.offload, "critic")
         super().__init__(CriticWorker, role, resource_pool, parallel, {"role": settings, "seed": seed}, seed,
                          call_timeout_s)
 

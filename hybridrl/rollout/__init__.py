@@ -45,7 +45,8 @@ def sampling_params_from_config(rollout: RolloutConfig, **overrides: Any) -> Sam
 
 def build_rollout_engine(rollout: RolloutConfig, *, model: Any = None, model_path: str | None = None,
                          vocab_size: int | None = None, tokens: TokenIds = TokenIds(), dtype: str = "float32",
-                         tp_groups: list[list[int]] | None = None, lora_rank: int | None = None) -> RolloutEngine:
+                         tp_groups: list[list[int]] | None = None, lora_rank: int | None = None,
+                         weights_pushed: bool = False) -> RolloutEngine:
     """Build the engine `rollout.engine` names.
 
     native: needs `model` (the generation-layout Megatron model of this rank); reads rollout.max_batch_size and
@@ -53,6 +54,8 @@ def build_rollout_engine(rollout: RolloutConfig, *, model: Any = None, model_pat
     vllm:   needs `model_path` (an HF folder with the initial weights); reads rollout.vllm, rollout.tp and
             `tp_groups` (the generation TP groups inside a torch.distributed world); `dtype`: the actor's;
             `lora_rank`: serve LoRA adapters (rollout/vllm_lora.py) up to that rank.
+            weights_pushed: every generation is preceded by a push (the colocated actor), so the engine loads
+            no weights from model_path (vLLM's dummy load) and its memory is all given back while it sleeps.
     The context length is rollout.max_model_len (512 when unset).
     """
     engine = check_engine_config(rollout)
@@ -68,4 +71,5 @@ def build_rollout_engine(rollout: RolloutConfig, *, model: Any = None, model_pat
         raise ValueError("rollout.engine=vllm needs model_path: a Hugging Face folder with the initial weights")
 
     return VllmRolloutEngine(model_path, rollout.vllm, dtype=dtype, max_model_len=max_model_len, tp=rollout.tp,
-                             pad_token_id=tokens.pad, tp_groups=tp_groups, lora_rank=lora_rank)
+                             pad_token_id=tokens.pad, tp_groups=tp_groups, lora_rank=lora_rank,
+                             load_format="dummy" if weights_pushed else "auto")

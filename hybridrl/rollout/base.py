@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -199,35 +200,103 @@ def assemble_batch(sequences: list[GeneratedSequence], params: SamplingParams, p
                  meta={"sampling": params.to_dict()})
 
 
+class EngineState(enum.Enum):
+    """Where a rollout engine's memory is (see RolloutEngine)."""
+    AWAKE = "awake"      # weights and KV cache resident: generate, take weights
+    WEIGHTS = "weights"  # weights resident, KV cache released: take weights (the push between the two wakes)
+    ASLEEP = "asleep"    # weights and KV cache released: nothing until woken
+
+
+class EngineStateError(RuntimeError):
+    """A call the engine's current state does not allow (generate while released, a push into a sleeping engine)."""
+
+
 class RolloutEngine(abc.ABC):
-    """A generation engine. Weights come from the hybrid engine through `load_weights`; `release()` frees
-    the KV cache (and whatever else the engine can give back) for training, `wake()` restores it."""
+    """A generation engine. Weights come from the hybrid engine through `load_weights`.
+
+    Memory follows an explicit state machine, the same on CPU and GPU (on GPU a wrong order is an illegal
+    memory access inside vLLM, on CPU sleep is a no-op: the states make the order an error everywhere):
+
+        release()       any -> ASLEEP   KV cache freed; weights freed too where the engine can (vLLM's sleep)
+        wake_weights()  ASLEEP -> WEIGHTS  weights' memory back (their values too, unless released_weights)
+        load_weights()  WEIGHTS | AWAKE    new weights in place
+        wake()          -> AWAKE        KV cache back (from ASLEEP it wakes the weights first)
+        generate()      AWAKE, with current weights
+
+    An engine whose release() discards the weights (`discards_weights`: vLLM sleep level 2) needs a push between
+    wake_weights() and wake(); generating from discarded weights raises. Subclasses implement `_load_weights`,
+    `_sleep`, `_wake_weights` and `_wake_cache`."""
+
+    discards_weights = False  # release() drops the weights' values (a push must follow before generating)
 
     def __init__(self) -> None:
-        self._released = False
+        self._state = EngineState.AWAKE
+        self._weights_current = True
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
 
     @property
     def released(self) -> bool:
-        return self._released
+        return self._state is not EngineState.AWAKE
 
     def _check_awake(self) -> None:
-        if self._released:
-            raise RuntimeError(f"{type(self).__name__}.generate() called after release(); call wake() first")
+        if self._state is not EngineState.AWAKE:
+            raise EngineStateError(f"{type(self).__name__}.generate() called after release() (state "
+                                   f"{self._state.value}); call wake() first")
+        if not self._weights_current:
+            raise EngineStateError(f"{type(self).__name__}.generate(): its weights were discarded by release(); "
+                                   f"push weights (load_weights) between wake_weights() and wake()")
 
     @abc.abstractmethod
     def generate(self, prompts: Prompts | Any, params: SamplingParams) -> Any:
         """Sample `params.n` responses per prompt (token-id lists, or a Batch with left-padded
         "input_ids" + "attention_mask"); return a Batch (layout above)."""
 
-    @abc.abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Take new weights (in place); cached state computed with the old ones is dropped."""
+        """Take new weights (in place); cached state computed with the old ones is dropped. Only while the
+        weights are resident (WEIGHTS or AWAKE): a push into a sleeping engine raises."""
+        if self._state is EngineState.ASLEEP:
+            raise EngineStateError(f"{type(self).__name__}.load_weights() into a sleeping engine (after release()): "
+                                   f"call wake_weights() first, push, then wake()")
+        self._load_weights(named_tensors)
+        self._weights_current = True
+
+    @abc.abstractmethod
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        """The engine's own push (the state is checked by load_weights)."""
 
     def release(self) -> None:
-        self._released = True
+        """Free the KV cache (and the weights' memory where the engine can) until wake_weights() / wake()."""
+        if self._state is EngineState.ASLEEP:
+            return
+        self._sleep()
+        self._state = EngineState.ASLEEP
+        if self.discards_weights:
+            self._weights_current = False
+
+    def wake_weights(self) -> None:
+        """The weights' memory back (ASLEEP -> WEIGHTS), ready for a push; the KV cache stays released."""
+        if self._state is EngineState.ASLEEP:
+            self._wake_weights()
+            self._state = EngineState.WEIGHTS
 
     def wake(self) -> None:
-        self._released = False
+        """Everything back (-> AWAKE): the weights first where they still sleep, then the KV cache."""
+        self.wake_weights()
+        if self._state is EngineState.WEIGHTS:
+            self._wake_cache()
+            self._state = EngineState.AWAKE
+
+    def _sleep(self) -> None:
+        """Free what release() frees (default: nothing to free)."""
+
+    def _wake_weights(self) -> None:
+        """Re-allocate the weights' memory (default: they never left)."""
+
+    def _wake_cache(self) -> None:
+        """Re-allocate the KV cache (default: allocated on the next generate)."""
 
     def close(self) -> None:
         """Free everything; the engine is unusable afterwards."""

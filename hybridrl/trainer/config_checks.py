@@ -221,6 +221,8 @@ RULES += [
      "is not kaiming, gaussian or a PEFT adapter folder (adapter_config.json)", "kaiming"),
     (("trainer.signal_grace_s",), _above(0), "must be > 0",
      "seconds between the scheduler's stop signal and its SIGKILL: Slurm's KillWait, 30 by default"),
+    (("trainer.start_timeout_s",), _optional(_above(0)), "must be > 0",
+     "leave unset: 300 s + 30 s per billion parameters of the largest model"),
 ]
 
 

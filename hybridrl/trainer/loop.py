@@ -133,7 +133,8 @@ class RLTrainer:
     def start(self) -> None:
         """Start Ray and every role on its pool."""
         self.start_ray()
-        self.pools = {name: ResourcePool(nodes=len(split), devices_per_node=split, name=name)  # the plan's nodes
+        self.pools = {name: ResourcePool(nodes=len(split), devices_per_node=split, name=name,  # the plan's nodes
+                                         start_timeout_s=self.plan.start_timeout_s)
                       for name, split in self.plan.node_devices.items()}
         self.roles = start_roles(self.cfg, self.plan, self.pools, self.tokenizer)
         self.rewards = start_reward_sources(self.cfg, self.plan, self.pools)
@@ -166,7 +167,8 @@ class RLTrainer:
         except Exception:  # noqa: BLE001 - its processes are dead or dying
             logger.debug("closing the dead rollout pool failed", exc_info=True)
         self.pools[name].shutdown()
-        self.pools[name] = ResourcePool(devices=self.plan.pools[name], nodes=self.cfg.resources.nodes, name=name)
+        self.pools[name] = ResourcePool(devices=self.plan.pools[name], nodes=self.cfg.resources.nodes, name=name,
+                                        start_timeout_s=self.plan.start_timeout_s)
         self.loader.load_state_dict(state)
         self._start_rollout_pool()
         self.roles["rollout"].sync()  # the actor's weights now, not the model folder's

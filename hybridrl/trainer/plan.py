@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,12 @@ from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module,
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
 from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, typed
+from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
 from hybridrl.data.tasks import task_reward_path
 from hybridrl.envs import SandboxUnavailable, ToolRegistry, env_class, resolve_sandbox
 from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models.config import CheckpointError, hf_config_for_plan
-from hybridrl.models.families import ModelDims
+from hybridrl.models.families import ModelDims, family_for
 from hybridrl.models.hub import ModelReferenceError, resolve_model, resolve_reference
 from hybridrl.models.peft import is_peft_adapter, model_config
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
@@ -38,6 +40,7 @@ from hybridrl.trainer.config_checks import check_values
 from hybridrl.trainer.plan_lora import check_lora_experts, check_lora_generation, plan_lora
 from hybridrl.trainer.reward_plan import (default_reward_fn, plan_distill, plan_reward_sources, source_roles,
                                           teacher_roles)
+from hybridrl.workers.offload import check_offload
 from hybridrl.workers.policy import PolicyLossConfig
 from hybridrl.workers.rule_reward import load_reward_fn
 
@@ -72,6 +75,7 @@ class RunPlan:
     rollout_ahead: int = 0
     lora: dict[str, LoraConfig] = field(default_factory=dict)  # actor / critic adapters, resolved (plan_lora.py)
     node_devices: dict[str, list[int]] = field(default_factory=dict)  # pool -> its devices on each node
+from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
 
 
 def _check(condition: bool, message: str) -> None:
@@ -101,6 +105,7 @@ def plan_run(cfg: Any) -> RunPlan:
     for role, settings in lora.items():
         if role in plan.roles:
             check_lora_experts(role, settings, plan.roles[role].model_path, plan.roles[role].layout)
+    plan.start_timeout_s = _start_timeout(cfg, plan)
     plan.rollout = _resolve_tool_sandbox(cfg, _resolve_rollout(cfg, plan, max_len))
     _check_fully_sharded(plan)
     check_lora_generation(plan.lora.get("actor"), plan.rollout, plan.roles["actor"].layout, "rollout" not in plan.roles)
@@ -323,6 +328,21 @@ def _place_roles(cfg: Any, plan: RunPlan) -> None:
         plan.roles[role] = RolePlan(role, role_cfg.pool, layout, path)
 
 
+def _start_timeout(cfg: Any, plan: RunPlan) -> float:
+    """trainer.start_timeout_s, or scaled by the largest model's parameters (a fixed 300 s ended cold 13B+ starts:
+    the actor loads its shard, builds its generation model and starts vLLM)."""
+    if cfg.trainer.start_timeout_s is not None:
+        return float(cfg.trainer.start_timeout_s)
+    sizes = []
+    for path in {role.model_path for role in plan.roles.values()} - {None}:
+        try:
+            hf = _plan_config(path)
+            sizes.append(sum(math.prod(shape) for shape in family_for(hf).expected_hf_tensors(hf).values()))
+        except (CheckpointError, ValueError, OSError, KeyError, AttributeError):  # only an estimate: the role's own start says why
+            continue
+    return start_timeout_for(max(sizes, default=0))
+
+
 def _model_dir(path: str | None, option: str) -> str:
     """The local folder of a model reference (a folder, tiny:<name> or a hub id fetched into the HF cache here, on
     the driver: workers only ever see local folders). A PEFT LoRA adapter is merged into its base at load
@@ -422,6 +442,7 @@ def _resolve_rollout(cfg: Any, plan: RunPlan, max_len: int) -> RolloutConfig:
     vllm = dataclasses.replace(roll.vllm, dtype=roll.vllm.dtype or cfg.actor.model.dtype)
     roll = dataclasses.replace(roll, engine=engine, max_model_len=max_len, vllm=vllm)
     _check_routing_record(roll, actor.model_path)
+    _check_offload(cfg, roll)
     _plan_rollout_pool(cfg, plan, roll)
     _check_generation_experts(roll, plan)
     try:
@@ -474,6 +495,22 @@ def _rollout_engine(requested: str, model_path: str) -> str:
         logger.warning("rollout.engine=auto: native engine (%s)", reason)
         return "native"
     return "vllm"
+
+
+def _check_offload(cfg: Any, roll: RolloutConfig) -> None:
+    """actor.offload / critic.offload: trained roles only; the actor's weights only beside vLLM's own copy."""
+    try:
+        check_offload(typed(cfg.actor.offload), "actor", roll.engine)
+        check_offload(typed(cfg.ref.offload), "ref")
+        check_offload(typed(cfg.critic.offload), "critic")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    for role in ("actor", "critic"):
+        offload, fsdp = cfg[role].offload, cfg[role].parallel.fsdp
+        _check(fsdp == "no_shard" or not (offload.grads or offload.optimizer),
+               f"{role}.offload (grads / optimizer) with {role}.parallel.fsdp={fsdp}: the offload moves Megatron DDP's "
+               f"gradient buffers and optimizer, which the fully sharded wrapper does not have (its shards are 1/dp "
+               f"already); set {role}.parallel.fsdp=no_shard or turn the offload off")
 
 
 def _check_routing_record(roll: RolloutConfig, actor_path: str) -> None:

@@ -37,7 +37,7 @@ def start_roles(cfg: Any, plan: RunPlan, pools: dict[str, ResourcePool], tokeniz
             critic = cfg.critic
             roles[role] = Critic(path, pool, layout, typed(critic.optim), critic.micro_batch_size,
                                  critic.max_tokens_per_micro_batch, critic.model.dtype, seed, role=role,
-                                 call_timeout_s=timeout, lora=plan.lora.get("critic"))
+                                 call_timeout_s=timeout, lora=plan.lora.get("critic"), offload=typed(critic.offload))
     if "teacher" in plan.roles:  # a reference-like log-prob role on the teacher's model (algorithm.distill)
         layout, pool, path = placed("teacher")
         teacher = plan.distill

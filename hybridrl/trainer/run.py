@@ -8,8 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hybridrl.controller import WorkerDiedError, WorkerHungError
-from hybridrl.controller import interrupts
+from hybridrl.controller import WorkerDiedError, WorkerHungError, interrupts
 from hybridrl.controller.watchdog import WATCHDOG
 from hybridrl.trainer.checkpoint import CheckpointManager
 from hybridrl.trainer.loop import NonFiniteError, RLTrainer

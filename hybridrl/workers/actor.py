@@ -26,12 +26,14 @@ from hybridrl.hybrid_engine.reshard import ShardMeta
 from hybridrl.models.checkpoint_hf import export_hf_checkpoint, iter_full_hf_tensors
 from hybridrl.models.lora import MergedWeights, adapters_disabled, merged_adapters
 from hybridrl.models.lora_io import adapter_factors_everywhere, gather_adapter_factors
-from hybridrl.models.peft import model_files
-from hybridrl.parallel.generation import GenerationLayout
+from hybridrl.models.peft import model_config, model_files
+from hybridrl.parallel.distributed import release_cached_memory
+from hybridrl.parallel.generation import GenerationGroups, GenerationLayout
 from hybridrl.protocol import Batch
 from hybridrl.rollout import SamplingParams, TokenIds, build_rollout_engine
 from hybridrl.rollout.vllm_lora import VllmAdapters, vllm_adapter_support, vllm_lora_rank
 from hybridrl.workers.megatron_model import CheckpointedRole, MegatronModel
+from hybridrl.workers.offload import HostCopy
 from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms, response_log_probs, response_mask
 from hybridrl.workers.sharding import gathered_parameters
 
@@ -59,26 +61,36 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     def __init__(self, role: RoleConfig, rollout: RolloutConfig, tokens: TokenIds, seed: int = 1) -> None:
         """role: the actor's settings (model.path a local folder); rollout: how it generates, with the engine and
         max_model_len resolved by the driver; tokens: the tokenizer's pad id."""
-        self.model = MegatronModel.for_role(role, self.layout, seed=seed)
         self.rollout = rollout
-        self.model.routing_mode = None if rollout.routing_mode == "off" else rollout.routing_mode
-        self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout,
-                                   GenerationLayout(tp=rollout.tp, ep=rollout.ep), strategy=rollout.reshard,
-                                   bucket_mb=rollout.bucket_mb)
-        # vLLM's TP group must be the hybrid engine's strided generation TP group
-        tp_groups = self.hybrid.groups.gen_tp_groups() if rollout.engine == "vllm" else None
+        gen_layout = GenerationLayout(tp=rollout.tp, ep=rollout.ep)
         # LoRA on vLLM: the engine keeps the frozen base and serves the adapters as its LoRA adapter where it can
-        lora = self.model.lora
+        lora = role.lora if role.lora is not None and role.lora.enabled else None
         adapters_in_vllm = rollout.engine == "vllm" and lora is not None and \
-            vllm_adapter_support(lora, role.model.path, self.model.hf_config) is None
-        self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, model_path=model_files(role.model.path),
-                                           vocab_size=self.model.vocab_size, tokens=tokens, dtype=role.model.dtype,
-                                           tp_groups=tp_groups, lora_rank=vllm_lora_rank(lora.rank) if adapters_in_vllm
-                                           else None)
+            vllm_adapter_support(lora, role.model.path, model_config(role.model.path)) is None
+        if rollout.engine == "vllm":
+            # vLLM starts first: at start it checks that its memory share (rollout.vllm) is free on the device,
+            # which the training state would not leave; then it sleeps (weights and KV cache given back) until
+            # the first generation pushes the actor's weights (it loads none itself: load_format dummy; serving
+            # LoRA adapters it loads the frozen base once). Its TP groups are the hybrid engine's strided
+            # generation TP groups.
+            self.engine = build_rollout_engine(rollout, model_path=model_files(role.model.path), tokens=tokens,
+                                               dtype=role.model.dtype, weights_pushed=not adapters_in_vllm,
+                                               tp_groups=GenerationGroups(self.layout, gen_layout).gen_tp_groups(),
+                                               lora_rank=vllm_lora_rank(lora.rank) if adapters_in_vllm else None)
+            self.engine.release()
+        self.model = MegatronModel.for_role(role, self.layout, seed=seed)
+        self.model.routing_mode = None if rollout.routing_mode == "off" else rollout.routing_mode
+        self.hybrid = HybridEngine(self.model.model, self.model.hf_config, self.layout, gen_layout,
+                                   strategy=rollout.reshard, bucket_mb=rollout.bucket_mb)
+        if rollout.engine != "vllm":  # the native engine generates with the hybrid engine's generation model
+            self.engine = build_rollout_engine(rollout, model=self.hybrid.gen_model, vocab_size=self.model.vocab_size,
+                                               tokens=tokens)
+            self.engine.release()  # KV cache only while generating
         self._vllm_adapters = VllmAdapters(self.engine, lora) if adapters_in_vllm else None
-        self.engine.release()  # KV cache only while generating
         self._generating = False  # between begin_generation and end_generation
         self._merged = None  # LoRA: the merged weights while generating (their base kept aside)
+        # actor.offload.params (vLLM): the actor's weights in host memory from the push to the end of generation
+        self._weights_offload = HostCopy() if role.offload.params else None
 
     # ---- generation ------------------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
@@ -108,11 +120,13 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
     # turn of the episodes, end (the driver always ends, also after a failed turn).
     @register(Dispatch.ONE_TO_ALL)
     def begin_generation(self) -> float:
-        """Training -> generation layout, new weights into the engine, KV cache back; returns its seconds."""
+        """Training -> generation layout, then the engine's state machine in order (rollout/base.py): its
+        weights' memory back, the new weights pushed, then its KV cache back; returns its seconds."""
         if self._generating:
             return 0.0
         start = time.perf_counter()
         if self._vllm_adapters is not None:  # the engine holds the frozen base: only the adapters go to it
+            self.engine.wake_weights()
             self._vllm_adapters.load(adapter_factors_everywhere(self.model.model))
             self._generating = True
             self.engine.wake()
@@ -125,7 +139,12 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         if self._merged is not None:
             self.hybrid.last_stats.extra["lora_kept_bytes"] = self._merged.kept_bytes
         self._generating = True
+        release_cached_memory()  # what torch's allocator holds free goes back: vLLM's own allocator wakes into it
+        self.engine.wake_weights()
         self._push_weights(gen_model)
+        if self._weights_offload is not None:  # vLLM holds its own copy now: ours waits in host memory
+            self._weights_offload.offload(gen_model.parameters())
+            release_cached_memory()
         self.engine.wake()
         return time.perf_counter() - start
 
@@ -158,6 +177,8 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
             return 0.0
         start = time.perf_counter()
         self.engine.release()
+        if self._weights_offload is not None:
+            self._weights_offload.restore()  # back before the switch: it reads the generation buffer
         self.hybrid.to_training()
         if self._merged is not None:  # the frozen base back, bit for bit
             self._merged.restore()

@@ -13,6 +13,7 @@ prompt+response with no gap (workers/sequences.py), so a plain causal mask is ex
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from hybridrl.config import LoraConfig, MoeConfig, OptimConfig, RoleConfig
+from hybridrl.config import LoraConfig, MoeConfig, OffloadConfig, OptimConfig, RoleConfig
 from hybridrl.controller.dispatch import Dispatch, register
 from hybridrl.models import build_gpt_model, load_hf_weights
 from hybridrl.models.builder import shares_rows, unwrap
@@ -34,6 +35,7 @@ from hybridrl.parallel.distributed import device
 from hybridrl.protocol import Batch
 from hybridrl.workers import fsdp_checkpoint
 from hybridrl.workers.moe_metrics import RoutingTracker
+from hybridrl.workers.offload import TrainingStateOffload, grad_buffers
 from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
 from hybridrl.workers.sharding import fully_sharded, local_tensor, release_gathered, shards_model
 
@@ -71,7 +73,8 @@ class MegatronModel:
     def __init__(self, path: str, *, head: str = "lm", dtype: str = "float32", micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = None, optim: OptimConfig | None = None,
                  moe: MoeConfig | None = None, sequence_parallel: bool = False, seed: int = 1234,
-                 fsdp: str = "no_shard", lora: LoraConfig | None = None) -> None:
+                 fsdp: str = "no_shard", lora: LoraConfig | None = None, offload: OffloadConfig | None = None
+                 ) -> None:
         from megatron.core import parallel_state
 
         if dtype not in DTYPES:
@@ -107,10 +110,14 @@ class MegatronModel:
         # otherwise (moe/routing_mismatch), "replay" also route them as recorded (models/routing_replay.py)
         self.routing_mode: str | None = None
         self.forward_routing_mismatch: float | None = None  # of the last forward-only pass (the old log-probs)
+        self.state_offload: TrainingStateOffload | None = None  # gradients / optimizer state between updates
         if optim is not None:
             self._make_trainable(optim)
             if model.config.num_moe_experts:
                 self.routing = RoutingTracker(model)
+            offload = offload or OffloadConfig()
+            self.state_offload = TrainingStateOffload(self.model, self.optimizer, offload.grads, offload.optimizer)
+            self.state_offload.offload()
         elif shards_model(fsdp, trainable=False):  # a frozen model's parameters, sharded over the DP group
             self.model = fully_sharded(model.config, model, fsdp)
         self.steps = 0
@@ -123,7 +130,21 @@ class MegatronModel:
         return cls(role.model.path, head=head, dtype=role.model.dtype, micro_batch_size=role.micro_batch_size,
                    max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
                    optim=role.optim if trainable else None, moe=role.moe,
-                   sequence_parallel=layout.sequence_parallel, seed=seed, fsdp=layout.fsdp, lora=role.lora)
+                   sequence_parallel=layout.sequence_parallel, seed=seed, fsdp=layout.fsdp, lora=role.lora,
+                   offload=role.offload)
+
+    @contextlib.contextmanager
+    def training_state(self):
+        """Gradients and optimizer state on the device inside (an update, a checkpoint), back in host memory after
+        when the role's offload settings say so."""
+        offload = self.state_offload
+        if offload is not None:
+            offload.restore()
+        try:
+            yield
+        finally:
+            if offload is not None:
+                offload.offload()
 
     def _make_trainable(self, optim: OptimConfig) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -234,8 +255,9 @@ class MegatronModel:
         per-step metrics averaged. Every DP rank must take the same number of optimizer steps."""
         if len(data) < mini_batches:
             raise ValueError(f"{role}: {len(data)} rows on this DP rank cannot make {mini_batches} mini-batches")
-        history = [self.train_step(part, loss_terms, {k: part[k] for k in keys}, units)
-                   for _ in range(epochs) for part in data.chunk(mini_batches)]
+        with self.training_state():
+            history = [self.train_step(part, loss_terms, {k: part[k] for k in keys}, units)
+                       for _ in range(epochs) for part in data.chunk(mini_batches)]
         self.forward_routing_mismatch = None  # the old log-probs' pass belonged to this update
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
@@ -309,15 +331,19 @@ class MegatronModel:
         return share
 
     def _grads_finite(self) -> bool:
-        """All-rank agreement that every gradient is finite (a collective over the role's process group)."""
-        bad = torch.zeros(1, device=next(self.inner.parameters()).device)
-        for param in self.inner.parameters():
-            grad = getattr(param, "main_grad", None)
-            if grad is None:
-                grad = param.grad if param.grad is None else local_tensor(param.grad)  # fsdp: this rank's piece
-            if grad is not None and not bool(torch.isfinite(grad).all()):
-                bad.fill_(1.0)
-                break
+        """All-rank agreement that every gradient is finite (a collective over the role's process group): the
+        check stays on the device (a sum per gradient buffer: inf / nan propagate into it) and reads one number
+        back, instead of one host sync per parameter."""
+        grads = grad_buffers(self.model)
+        if not grads:  # no contiguous buffers (not wrapped in Megatron DDP): the parameters' own gradients
+            grads = [local_tensor(g) for g in (getattr(p, "main_grad", None) if getattr(p, "main_grad", None)
+                                               is not None else p.grad for p in self.inner.parameters())
+                     if g is not None]  # fsdp: this rank's piece
+        device = next(self.inner.parameters()).device
+        total = torch.zeros(1, dtype=torch.float32, device=device)
+        for grad in grads:
+            total += grad.sum(dtype=torch.float32)
+        bad = (~torch.isfinite(total)).float()
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return not bool(bad.item())
 
@@ -328,9 +354,12 @@ class MegatronModel:
         folder naming the frozen base, which is not copied), out_dir/optimizer (the optimizer's sharded
         state in model space, so it reshards too, plus the LR scheduler and step count) and out_dir/rng (this
         rank's RNG states, restored only at the same layout)."""
+        with self.training_state():
+            self._save_checkpoint(Path(out_dir))
+
+    def _save_checkpoint(self, root: Path) -> None:
         from megatron.core import dist_checkpointing
 
-        root = Path(out_dir)
         rank = torch.distributed.get_rank()
         if self.lora is not None:
             save_adapter_folder(self.model, root / ADAPTER_DIR, base=self.path, dropout=self.lora.dropout)
@@ -365,9 +394,12 @@ class MegatronModel:
 
     def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> None:
         """Collective: the inverse of save_checkpoint, at this model's (possibly different) layout."""
+        with self.training_state():
+            self._load_checkpoint(Path(ckpt_dir), load_optimizer)
+
+    def _load_checkpoint(self, root: Path, load_optimizer: bool) -> None:
         from megatron.core import dist_checkpointing
 
-        root = Path(ckpt_dir)
         if self.lora is not None:
             if not (root / ADAPTER_DIR).is_dir():
                 raise CheckpointError(f"{root}: no {ADAPTER_DIR}/ (a LoRA checkpoint's adapters); it was saved "
@@ -392,6 +424,10 @@ class MegatronModel:
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.steps = int(state.get("steps", self.steps))
+        elif self.optimizer is not None:
+            # new weights without the optimizer: a bf16 model's fp32 main weights (the distributed optimizer's own
+            # copy, which each step updates and copies back) must follow them, or the next step brings the old back
+            self.optimizer.reload_model_params()
         rng_file = root / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
         saved = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
         if saved is not None and saved.get("world_size") == torch.distributed.get_world_size() \

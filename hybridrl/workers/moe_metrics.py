@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.models.routing_replay import layer_pattern
+from hybridrl.parallel.distributed import device
 
 
 class RoutingTracker:
@@ -27,7 +28,9 @@ class RoutingTracker:
 
         config = model.config
         self.num_experts, self.num_layers = config.num_moe_experts, config.num_layers
-        self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        # on the device, in a dtype NCCL reduces: the hooks add to it without a copy to the host, and finish()
+        # all-reduces it over the role's (NCCL, on GPUs) group
+        self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=device())
         self.moe_layers = [i for i, moe in enumerate(layer_pattern(config)) if moe]
         # with sequence parallelism each TP rank routes its own slice of the tokens; without, all see the same
         self.tp_copies = 1 if config.sequence_parallel else parallel_state.get_tensor_model_parallel_world_size()
@@ -40,7 +43,7 @@ class RoutingTracker:
     def _hook(self, number: int):
         def count(module, args, output) -> None:
             if self.active:
-                self.counts[number] += output[1].detach().sum(dim=0).to(torch.float64).cpu()
+                self.counts[number] += output[1].detach().sum(dim=0).to(self.counts.device, torch.float64)
         return count
 
     def start(self) -> None:
@@ -65,7 +68,7 @@ class RoutingTracker:
                 metrics[f"moe/{name}"] = float(values[self.moe_layers].mean()) / max(passes, 1)
         counts = self.counts.clone()
         dist.all_reduce(counts)  # layers live on their stages; replicas (and TP ranks) routed their own tokens
-        counts = counts[self.moe_layers] / self.tp_copies
+        counts = counts[self.moe_layers].cpu() / self.tp_copies  # one copy to the host, after the collective
         for expert, total in enumerate(counts.sum(dim=0).tolist()):
             metrics[f"moe/expert_tokens/e{expert}"] = total
         per_layer_mean = counts.mean(dim=1).clamp(min=1.0)

@@ -132,8 +132,9 @@ class RolloutWorker(Worker):
     def _newer_weights_sent(self) -> bool:
         """Whether syncs newer than this replica's weights were sent (the same answer on every rank of a
         replica's TP group: they agree on the oldest count any of them read)."""
-        sent = torch.tensor([self._bridge.announced()], dtype=torch.long)
         group = self.engine.tp_group
+        # on the bridge's device: the replica's TP group is an NCCL group on GPUs, which refuses host tensors
+        sent = torch.tensor([self._bridge.announced()], dtype=torch.long, device=self._bridge.device)
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(sent, op=torch.distributed.ReduceOp.MIN, group=group)
         self._sent = int(sent.item())
@@ -150,10 +151,9 @@ class RolloutWorker(Worker):
         coords = self.layout.coords(self.rank)
         share = prompts.chunk(self.layout.dp)[coords.dp]
         outs, versions = [], []
-        self.engine.wake()
         # expert-parallel peers decode in lockstep: a replica without prompts keeps their pace (placeholder rows)
         lockstep = self.layout.ep > 1
-        try:
+        try:  # the engine stays awake (the pool is generation's own): weights are pushed into it between calls
             for params in sampling if len(share) or lockstep else []:
                 params = replica_params(params, coords.dp)
                 versions.append(self.version)
@@ -164,7 +164,6 @@ class RolloutWorker(Worker):
                     outs.append(self._generate_partial(share, params) if self.partial
                                 else self.engine.generate(share, params))
         finally:
-            self.engine.release()
             self._idle_since = time.perf_counter()
         if not outs or coords.tp != 0:
             return None
