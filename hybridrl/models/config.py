@@ -68,7 +68,8 @@ def hf_config_for_plan(path: str | Path) -> Any:
         values = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return load_hf_config(path)  # its error names the problem
-    if not isinstance(values, dict) or not all(isinstance(values.get(k), int) for k in _PLAN_KEYS):
+    if not isinstance(values, dict) or not all(isinstance(values.get(k), int) for k in _PLAN_KEYS) \
+            or any("expert" in k for k in values):  # experts' keys have per-family aliases (num_local_experts)
         return load_hf_config(path)
     return types.SimpleNamespace(**values)
 

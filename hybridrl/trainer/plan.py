@@ -23,7 +23,6 @@ from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
 from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, typed
 from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
-from hybridrl.data.tasks import task_reward_path
 from hybridrl.envs import SandboxUnavailable, ToolRegistry, env_class, resolve_sandbox
 from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models.config import CheckpointError, hf_config_for_plan
@@ -75,7 +74,7 @@ class RunPlan:
     rollout_ahead: int = 0
     lora: dict[str, LoraConfig] = field(default_factory=dict)  # actor / critic adapters, resolved (plan_lora.py)
     node_devices: dict[str, list[int]] = field(default_factory=dict)  # pool -> its devices on each node
-from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S  # each role's start (trainer.start_timeout_s, or by model size)
 
 
 def _check(condition: bool, message: str) -> None:
