@@ -16,7 +16,7 @@ Where each piece lives:
                 model: template + verdict parser), sources.py (reward sources combined with weights)
   rollout/      Rollout (what generation returns), prompt encoding, SamplingParams, the engines
   controller/   ResourcePool, WorkerGroup and @register: the single controller on Ray
-  config.py     the typed settings every role takes (RolloutConfig, OptimConfig, ParallelConfig, MoeConfig);
+  config        the typed settings every role takes (RolloutConfig, OptimConfig, ParallelConfig, MoeConfig);
                 keyword dicts given here are checked and converted once (config.as_section)
 
 Each role is a WorkerGroup of Megatron-backed workers (workers/) on a ResourcePool; roles on one pool colocate

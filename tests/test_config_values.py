@@ -1,4 +1,4 @@
-"""Every option of config.py with a bad value: `hybridrl train --check` refuses it in one line naming the
+"""Every option of config/schema.py with a bad value: `hybridrl train --check` refuses it in one line naming the
 option, exit code 2, without starting Ray. The table must cover every option (a new option needs a row)."""
 from __future__ import annotations
 

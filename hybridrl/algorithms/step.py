@@ -42,9 +42,9 @@ class StepNeeds:
 
 
 def step_needs(spec: AlgorithmSpec, alg: Any, rows_per_step: int) -> StepNeeds:
-    """The step of algorithm `spec` with settings `alg` (config.AlgorithmConfig: config.py reads this package to
-    fill in an algorithm's defaults, so no import back) on `rows_per_step` sampled sequences (the plan checks
-    first that algorithm.mini_batch_size divides it)."""
+    """The step of algorithm `spec` with settings `alg` (config.AlgorithmConfig: config/loading.py reads this
+    package to fill in an algorithm's defaults, so no import back) on `rows_per_step` sampled sequences (the plan
+    checks first that algorithm.mini_batch_size divides it)."""
     kl_ever = alg.kl.coef > 0 or (alg.kl.type == "linear" and alg.kl.final_coef > 0)
     mini_batches = rows_per_step // alg.mini_batch_size if alg.mini_batch_size else 1
     distill = getattr(alg, "distill", None)

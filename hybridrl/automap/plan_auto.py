@@ -116,7 +116,7 @@ def _trainer_estimate(mapping: Mapping, prob, execution: str) -> float | None:
 
 def config_from_report(report: dict, model: str, nodes_of: int, reward_model: str | None = "same",
                        judge_model: str | None = None, teacher_model: str | None = None) -> dict:
-    """A hybridrl train config (config.py's schema) that runs the best mapping; refuses what it cannot express."""
+    """A hybridrl train config (config/schema.py) that runs the best mapping; refuses what it cannot express."""
     best = report["best"]
     if not best["runnable"]:
         raise ValueError("the best mapping is not runnable by hybridrl train yet (separate rollout pool or "

@@ -21,9 +21,8 @@ from hybridrl.algorithms.loss_agg import check_loss_agg
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
-from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, typed
+from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, check_config as _check, typed
 from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
-from hybridrl.envs import SandboxUnavailable, ToolRegistry, env_class, resolve_sandbox
 from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models.config import CheckpointError, hf_config_for_plan
 from hybridrl.models.families import ModelDims, family_for
@@ -34,14 +33,14 @@ from hybridrl.parallel.placement import PlacementError, resolve_node_devices
 from hybridrl.roles.actor import check_generation
 from hybridrl.roles.replicas import check_rollout_pool
 from hybridrl.rollout import ENGINES
-from hybridrl.rollout.agent import load_agent
 from hybridrl.trainer.config_checks import check_values
+from hybridrl.trainer.plan_episodes import (check_agent, check_episodes, episode_tokens, max_model_len,
+                                            resolve_tool_sandbox)
 from hybridrl.trainer.plan_lora import check_lora_experts, check_lora_generation, plan_lora
-from hybridrl.trainer.reward_plan import (default_reward_fn, plan_distill, plan_reward_sources, source_roles,
+from hybridrl.trainer.reward_plan import (plan_distill, plan_reward_sources, plan_rule_rewards, source_roles,
                                           teacher_roles)
 from hybridrl.workers.offload import check_offload
 from hybridrl.workers.policy import PolicyLossConfig
-from hybridrl.workers.rule_reward import load_reward_fn
 
 logger = logging.getLogger(__name__)
 
@@ -77,24 +76,19 @@ class RunPlan:
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S  # each role's start (trainer.start_timeout_s, or by model size)
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def plan_run(cfg: Any) -> RunPlan:
     """Validate `cfg` and decide placement; no Ray, no worker, no model weights touched."""
     check_values(cfg)  # each option's own value; below: how they fit together
     spec, loss_agg, response_length = _check_algorithm(cfg)
     _check_algorithm_options(cfg, spec, response_length)
     _check_run_options(cfg)
-    _check_episodes(cfg)
-    _check_agent(cfg)
+    check_episodes(cfg)
+    check_agent(cfg)
     rows = cfg.data.batch_size * cfg.rollout.n
     _check(not cfg.algorithm.mini_batch_size or rows % cfg.algorithm.mini_batch_size == 0,
            f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide data.batch_size * rollout.n = "
            f"{rows}")
-    max_len = _max_model_len(cfg, response_length)
+    max_len = max_model_len(cfg, response_length)
     step, lora = plan_lora(cfg, step_needs(spec, typed(cfg.algorithm), rows))
     pools = _pools(cfg.resources)
     plan = RunPlan(algorithm=spec, pools=pools, step=step, rollout=typed(cfg.rollout),
@@ -105,11 +99,11 @@ def plan_run(cfg: Any) -> RunPlan:
         if role in plan.roles:
             check_lora_experts(role, settings, plan.roles[role].model_path, plan.roles[role].layout)
     plan.start_timeout_s = _start_timeout(cfg, plan)
-    plan.rollout = _resolve_tool_sandbox(cfg, _resolve_rollout(cfg, plan, max_len))
+    plan.rollout = resolve_tool_sandbox(cfg, _resolve_rollout(cfg, plan, max_len))
     _check_fully_sharded(plan)
     check_lora_generation(plan.lora.get("actor"), plan.rollout, plan.roles["actor"].layout, "rollout" not in plan.roles)
     _check_batch_splits(plan)
-    _plan_rewards(cfg, plan)
+    plan_rule_rewards(cfg, plan)
     plan_reward_sources(cfg, plan, max_len, _rollout_engine)
     plan_distill(cfg, plan)
     for file in cfg.data.train_files:
@@ -130,7 +124,7 @@ def _check_algorithm(cfg: Any) -> tuple[AlgorithmSpec, str, int]:
         spec = validate_algorithm(alg.name, roll.n, has_cost, alg.kl.mode)
         check_correction(alg.rollout_correction, alg.rollout_correction_cap, alg.rollout_correction_level)
         loss_agg = alg.loss_agg or spec.default_loss_agg  # set by load_config; a bare config: the algorithm's
-        response_length = _episode_tokens(roll) if roll.env or roll.agent else roll.max_new_tokens
+        response_length = episode_tokens(roll) if roll.env or roll.agent else roll.max_new_tokens
         check_loss_agg(loss_agg, response_length)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -199,87 +193,6 @@ def _node_devices(res: Any, pools: dict[str, int]) -> dict[str, list[int]]:
         return resolve_node_devices(pools, int(res.nodes), listed)
     except PlacementError as exc:
         raise ConfigError(str(exc)) from None
-
-
-# ---- lengths and episodes ----------------------------------------------------------------------------------
-def _episode_tokens(roll: Any) -> int:
-    return roll.max_episode_tokens or 2 * roll.max_turns * roll.max_new_tokens
-
-
-def _check_episodes(cfg: Any) -> None:
-    """rollout.env and its options: the environment builds from its arguments; budgets that fit."""
-    roll = cfg.rollout
-    if not roll.env:
-        _check(not roll.env_kwargs, f"rollout.env_kwargs={dict(roll.env_kwargs)} is set but rollout.env is not; "
-                                    f"name the environment or drop its arguments")
-        return
-    try:
-        env_class(roll.env)(**dict(roll.env_kwargs))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    except TypeError as exc:
-        raise ConfigError(f"rollout.env_kwargs={dict(roll.env_kwargs)}: {roll.env} does not take them ({exc})") \
-            from None
-    _check(_episode_tokens(roll) >= roll.max_new_tokens,
-           f"rollout.max_episode_tokens={roll.max_episode_tokens} < rollout.max_new_tokens={roll.max_new_tokens}: "
-           f"not even one turn fits; raise it or leave it unset")
-
-
-def _check_agent(cfg: Any) -> None:
-    """rollout.agent: an importable async function (openai / aiohttp installed), not with rollout.env; groups of
-    other sizes than rollout.n (runs that split or drop) rule out dynamic sampling."""
-    roll, alg = cfg.rollout, cfg.algorithm
-    if not roll.agent:
-        return
-    _check(not roll.env, f"rollout.agent={roll.agent!r} and rollout.env={roll.env!r} are both set: an agent program "
-                         f"or an environment makes the episodes; unset one")
-    try:
-        load_agent(roll.agent)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    _check(_episode_tokens(roll) >= roll.max_new_tokens,
-           f"rollout.max_episode_tokens={roll.max_episode_tokens} < rollout.max_new_tokens={roll.max_new_tokens}: "
-           f"not even one request fits; raise it or leave it unset")
-    _check(not alg.get("max_refill_rounds"),
-           f"algorithm.max_refill_rounds={alg.get('max_refill_rounds')} (dynamic sampling) keeps groups of "
-           f"rollout.n samples; agent runs that split into several trajectories or are dropped make other group "
-           f"sizes: set algorithm.max_refill_rounds=0 with rollout.agent")
-
-
-def _resolve_tool_sandbox(cfg: Any, roll: RolloutConfig) -> RolloutConfig:
-    """rollout.tool_sandbox for an environment whose tools run model-written code: the sandbox started once here
-    (auto: the strongest available), or one line saying why none can; the weak ones said out loud."""
-    tools = getattr(env_class(roll.env)(**dict(roll.env_kwargs)), "tools", None) if roll.env else None
-    if not (isinstance(tools, ToolRegistry) and tools.runs_code()):
-        return roll
-    try:
-        sandbox = resolve_sandbox(roll.tool_sandbox, roll.tool_sandbox_url)
-    except (SandboxUnavailable, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-    if sandbox.name in ("guard", "none"):
-        logger.warning("rollout.tool_sandbox=%s: model-written code runs %s; it is no boundary against code that "
-                       "tries to get out (README: the tool sandbox)", sandbox.name,
-                       "under the audit-hook guard" if sandbox.name == "guard" else "without any isolation")
-    return dataclasses.replace(roll, tool_sandbox=sandbox.name)
-
-
-
-def _max_model_len(cfg: Any, response_length: int) -> int:
-    """The context length: prompt + response tokens; every role's micro-batch budget must hold one sequence."""
-    roll, data = cfg.rollout, cfg.data
-    what = "rollout.max_episode_tokens" if roll.env or roll.agent else "rollout.max_new_tokens"
-    max_len = roll.max_model_len or data.max_prompt_length + response_length
-    _check(max_len >= data.max_prompt_length + response_length,
-           f"rollout.max_model_len={max_len} < data.max_prompt_length + {what} = "
-           f"{data.max_prompt_length + response_length}; raise it or leave it unset")
-    for role, section in [(r, cfg[r]) for r in ("actor", "ref", "critic", "reward_model", "cost_model")] + \
-            [("algorithm.distill", cfg.algorithm.distill)]:
-        budget = section.max_tokens_per_micro_batch
-        _check(budget is None or budget >= max_len,
-               f"{role}.max_tokens_per_micro_batch={budget} is below the longest sequence (data.max_prompt_length + "
-               f"{what} = {max_len} tokens); raise it to at least {max_len} or set it to null "
-               f"({role}.micro_batch_size sequences per micro-batch)")
-    return max_len
 
 
 # ---- roles, pools and layouts ------------------------------------------------------------------------------
@@ -580,20 +493,3 @@ def _check_generation_experts(roll: RolloutConfig, plan: RunPlan) -> None:
            f"to {roll.engine}): set rollout.engine=native, or rollout.ep=1")
     if "rollout" not in plan.roles:
         _check(roll.reshard == "hybrid", f"rollout.ep={roll.ep} needs rollout.reshard=hybrid (got {roll.reshard})")
-
-
-# ---- rewards ---------------------------------------------------------------------------------------------------
-def _plan_rewards(cfg: Any, plan: RunPlan) -> None:
-    """The reward (and cost) functions when no model scores: importable and callable by name."""
-    _check(not (cfg.reward_model.model and cfg.reward.fn),
-           "both reward_model.model and reward.fn are set: score with one (unset the other)")
-    if not cfg.reward_model.model and not cfg.reward.sources:  # an environment's own rewards need no rule
-        plan.reward_fn = default_reward_fn(cfg)
-    if plan.step.cost and not cfg.cost_model.model:
-        plan.cost_fn = cfg.reward.cost_fn
-    for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):
-        if path:
-            try:
-                load_reward_fn(path)
-            except ValueError as exc:
-                raise ConfigError(str(exc).replace("reward.fn", option)) from None

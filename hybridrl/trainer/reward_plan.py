@@ -16,7 +16,7 @@ import re
 from typing import Any, Callable
 
 from hybridrl.algorithms.distill import check_distill_mode
-from hybridrl.config import ConfigError, ScoreModelConfig, typed
+from hybridrl.config import ConfigError, ScoreModelConfig, check_config as _check, typed
 from hybridrl.data.tasks import task_reward_path
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.data.verdicts import JudgeTemplate, verdict_parser
@@ -30,11 +30,6 @@ from hybridrl.workers.rule_reward import load_reward_fn
 
 NAME = re.compile(r"^[A-Za-z0-9_]+$")
 JUDGE_LEN_ALLOWANCE = 64  # tokens a template adds around the prompt and response, by default
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
 
 
 # ---- which model roles the sources add -------------------------------------------------------------------
@@ -221,3 +216,19 @@ def default_reward_fn(cfg: Any) -> str | None:
     """The rule function when no model scores: reward.fn, or the bundled task's (none for an environment or an
     agent: their own rewards; one given is added to them)."""
     return cfg.reward.fn or (None if cfg.rollout.env or cfg.rollout.agent else task_reward_path())
+
+
+def plan_rule_rewards(cfg: Any, plan: Any) -> None:
+    """The reward (and cost) functions when no model scores: importable and callable by name."""
+    _check(not (cfg.reward_model.model and cfg.reward.fn),
+           "both reward_model.model and reward.fn are set: score with one (unset the other)")
+    if not cfg.reward_model.model and not cfg.reward.sources:  # an environment's own rewards need no rule
+        plan.reward_fn = default_reward_fn(cfg)
+    if plan.step.cost and not cfg.cost_model.model:
+        plan.cost_fn = cfg.reward.cost_fn
+    for option, path in (("reward.fn", plan.reward_fn), ("reward.cost_fn", plan.cost_fn)):
+        if path:
+            try:
+                load_reward_fn(path)
+            except ValueError as exc:
+                raise ConfigError(str(exc).replace("reward.fn", option)) from None
