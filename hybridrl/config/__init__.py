@@ -15,6 +15,7 @@ __all__ = [
     "DistillConfig", "EndpointConfig", "HybridRLConfig", "JudgeGenerationConfig", "KLConfig", "LoraConfig",
     "MachineError", "ModelConfig", "MoeConfig", "OffloadConfig", "OptimConfig", "ParallelConfig", "ResourcesConfig",
     "RewardConfig", "RewardSourceConfig", "RoleConfig", "RolloutConfig", "ScoreModelConfig", "TrainerConfig",
-    "VerdictParserConfig", "VllmConfig", "apply_algorithm_defaults", "as_section", "check_config", "find_config", "load_config",
+    "VerdictParserConfig", "VllmConfig", "apply_algorithm_defaults", "as_section", "check_config", "find_config",
+    "load_config",
     "role_section", "to_yaml", "typed",
 ]

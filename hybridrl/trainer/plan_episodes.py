@@ -42,8 +42,8 @@ def check_agent(cfg: Any) -> None:
     roll, alg = cfg.rollout, cfg.algorithm
     if not roll.agent:
         return
-    check_config(not roll.env, f"rollout.agent={roll.agent!r} and rollout.env={roll.env!r} are both set: an agent program "
-                         f"or an environment makes the episodes; unset one")
+    check_config(not roll.env, f"rollout.agent={roll.agent!r} and rollout.env={roll.env!r} are both set: an "
+                               f"agent program or an environment makes the episodes; unset one")
     try:
         load_agent(roll.agent)
     except ValueError as exc:
