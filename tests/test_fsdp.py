@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from hybridrl.hybrid_engine.model_shapes import GATED_HALVES, ModelShapes, ParamSpec
+from test_hybrid_reshard import _megatron_shard  # how Megatron holds a TP shard of a full tensor
 
 HIDDEN, FFN, LAYERS = 8, 16, 2
 # (tp, dp) -> generation tp, on 4 or 2 ranks; VOCAB rows per TP shard do not always divide by dp (uneven pieces)
@@ -34,17 +35,6 @@ def _specs(vocab: int) -> list[ParamSpec]:
                     ParamSpec("output_layer.weight", (vocab, HIDDEN), 0, None, "final")]
 
 
-def _tp_shard(full, spec: ParamSpec, tp: int, rank: int):
-    import torch
-
-    if spec.partition_dim is None:
-        return full
-    if spec.regroup == GATED_HALVES:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
-    return full.chunk(tp, dim=spec.partition_dim)[rank]
-
-
 def _reshard_fully_sharded(tp_dp, gen_tp, vocab, transport="auto", bucket_bytes=32 << 20):
     """This rank's FSDP2 rows of each TP shard -> the hybrid reshard -> its generation shard."""
     import torch
@@ -62,14 +52,14 @@ def _reshard_fully_sharded(tp_dp, gen_tp, vocab, transport="auto", bucket_bytes=
     full = {s.name: torch.randn(s.shape, generator=gen) for s in specs}
     params = []
     for s in specs:
-        whole = _tp_shard(full[s.name], s, t, c.tp)
+        whole = _megatron_shard(full[s.name], s, t, c.tp)
         first, rows = layout.fsdp_rows(whole.shape[0], c.dp)
         piece = whole[first:first + rows].clone()
         params.append(ShardedParam(s.name, piece, s.partition_dim, 0, s.regroup,
                                    (first, tuple(whole.shape)) if layout.dp_shards > 1 else None))
     originals = [p.tensor.clone() for p in params]
     shard = groups.gen_shard(dist.get_rank())
-    expected = {s.name: _tp_shard(full[s.name], s, gen_tp, shard.gen_tp) for s in specs}
+    expected = {s.name: _megatron_shard(full[s.name], s, gen_tp, shard.gen_tp) for s in specs}
     resharder = Resharder(groups, params, "hybrid", transport=transport, bucket_bytes=bucket_bytes)
     got = resharder.to_generation()
     report = {"mismatched": sorted(n for n in expected if not torch.equal(got[n], expected[n])),
