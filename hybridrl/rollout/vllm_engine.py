@@ -207,7 +207,10 @@ class VllmRolloutEngine(RolloutEngine):
         kwargs = engine_kwargs(settings, model_path, self.dtype, max_model_len, tp, self.on_gpu, load_format, seed,
                                lora_rank)
         # a LoRA actor: the frozen base is the engine's own (loaded once), the adapters come as LoRA requests
-        self.serves_adapters, self.lora_request = lora_rank is not None, None
+        self.lora_request = None
+        # dummy weights: every generation follows a push (the colocated actor), so sleep may discard them; an engine
+        # that loaded its own (a judge, a rollout pool's first weights, a base serving LoRA adapters) keeps them
+        self.weights_pushed_only = load_format == "dummy"
         if self.tp_groups is None:
             if world_size is not None:
                 self._keep_world_if_possible()
@@ -326,9 +329,9 @@ class VllmRolloutEngine(RolloutEngine):
     def discards_weights(self) -> bool:  # type: ignore[override]
         """On GPU with sleep mode, release() is vLLM's sleep level 2: weights and KV cache discarded (the
         hybrid engine pushes the weights before every generation anyway; level 1 would copy them to host
-        memory and back every step for nothing). Serving LoRA adapters, the engine's frozen base is never pushed
-        again: level 1 keeps it in host memory."""
-        return self._sleeps and not self.serves_adapters
+        memory and back every step for nothing). An engine that loaded its own weights (a frozen judge, a base
+        serving LoRA adapters) sleeps at level 1: they wait in host memory."""
+        return self._sleeps and self.weights_pushed_only
 
     @property
     def _sleeps(self) -> bool:
@@ -336,9 +339,9 @@ class VllmRolloutEngine(RolloutEngine):
 
     def _sleep(self) -> None:
         if self._sleeps:
-            # level 2: weights and KV cache discarded (vLLM keeps its buffers, rotary, on host); level 1 (adapters
-            # served): the base to host memory, back at wake
-            self.llm.sleep(level=1 if self.serves_adapters else 2)
+            # level 2: weights and KV cache discarded (vLLM keeps its buffers, rotary, on host); level 1: the
+            # weights to host memory, back at wake
+            self.llm.sleep(level=2 if self.weights_pushed_only else 1)
         else:
             self.llm.reset_prefix_cache()
             logger.debug("vLLM release(): sleep mode is off or a no-op on CPU; the prefix cache was reset, the "
