@@ -92,7 +92,9 @@ class HostCopy:
 
 def grad_buffers(ddp: Any) -> list[torch.Tensor]:
     """Megatron DDP's contiguous gradient buffers (every parameter's main_grad views one of them)."""
-    buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    buffers = [b for name in ("buffers", "expert_parallel_buffers")
+               for b in (getattr(ddp, name, None) if isinstance(getattr(ddp, name, None), list) else [])]
+    # (a module not wrapped in Megatron DDP has torch's buffers() method there, no gradient buffers)
     return [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
 
 
