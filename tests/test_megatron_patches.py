@@ -316,7 +316,8 @@ def test_gpu_without_transformer_engine_gets_only_the_no_te_shims(unpatched):
     assert result["sp_norm_tagged"]
     assert patches_for(cuda=True, transformer_engine=True) == ()
     assert set(patches_for(cuda=False, transformer_engine=False)) == {"rng", "cuda_device", "tensor_type", "norm_sp",
-                                                                       "moe", "moe_gemm", "optim_ckpt", "single_rank"}
+                                                                       "moe", "moe_gemm", "optim_ckpt", "single_rank",
+                                                                       "fsdp_mesh"}
 
 
 @pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "1.0.0", "not-a-version"])
