@@ -169,13 +169,15 @@ class PendingRewards:
 
     def result(self) -> Rewards:
         total, keep, metrics, errors = None, None, {}, None
+        # a lone rule or reward model is the reward itself (reward_mean): no metric of its own
+        named = len(self.pending) > 1 or any(spec.kind not in ("rule", "scalar") for spec, _ in self.pending)
         for spec, pending in self.pending:
             got = pending.result()
             weighted = spec.weight * got.scores.float()
             total = weighted if total is None else total + weighted
             keep = got.valid if keep is None else keep & got.valid
             kept = got.scores[got.valid]
-            if len(kept):  # a batch whose samples were all dropped has no mean (NaN would stop the run)
+            if named and len(kept):  # a batch whose samples were all dropped has no mean (NaN would stop the run)
                 metrics[f"reward/{spec.name}_mean"] = float(kept.mean())
             if got.parse_errors is not None:
                 errors = (errors or 0) + got.parse_errors
