@@ -142,4 +142,4 @@ def test_plan_of_an_moe_preset_with_expert_tp_below_tp(capsys):
 def test_presets_are_real_llama_sizes():
     assert LLAMA_PRESETS["llama-34b"]["num_key_value_heads"] == 8
     assert {k: v["num_hidden_layers"] for k, v in LLAMA_PRESETS.items()} == {
-        "llama-7b": 32, "llama-13b": 40, "llama-34b": 48, "llama-70b": 80}
+        "llama-7b": 32, "llama-13b": 40, "llama-34b": 48, "llama-70b": 80, "llama3-70b": 80}
