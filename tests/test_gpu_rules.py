@@ -298,3 +298,38 @@ def test_offload_options_are_checked_before_any_worker(tmp_path, monkeypatch):
                        (["algorithm.name=ppo", "critic.offload.params=true"], "critic.offload.params")):
         with pytest.raises(ConfigError, match=words):
             plan_run(load_config(None, base + bad))
+
+
+# ---- item 10: the collectives' own listeners on the cluster's interface, beyond loopback ------------------------
+def test_gloo_and_nccl_listen_on_the_interface_of_the_rendezvous(monkeypatch):
+    """A multi-node pool's rank 0 rendezvous on its node's cluster address: gloo and NCCL are pinned to that
+    address's interface (by default gloo binds what the hostname resolves to and NCCL the first interface it
+    likes); a user's own choice is kept."""
+    import os
+
+    import psutil
+
+    from hybridrl.parallel.distributed import interface_of, pin_collectives_to
+
+    assert interface_of("127.0.0.1") == "lo" and interface_of("198.51.100.77") is None
+    routable = [(name, a.address) for name, addrs in psutil.net_if_addrs().items() for a in addrs
+                if a.family.name == "AF_INET" and not a.address.startswith("127.")]
+    name, address = routable[0] if routable else ("lo", "127.0.0.1")
+    assert interface_of(address) == name
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(variable, raising=False)
+    pin_collectives_to(address)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == name
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    pin_collectives_to(address)
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+def test_role_start_timeout_grows_with_the_model():
+    """Item 10: a cold 70B actor reads 140 GB, builds its generation model and starts vLLM: more than the 300 s a
+    role had to start."""
+    from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
+
+    assert start_timeout_for(0) == DEFAULT_START_TIMEOUT_S
+    assert start_timeout_for(70_000_000_000) == DEFAULT_START_TIMEOUT_S + 30 * 70
+
