@@ -50,7 +50,7 @@ def plan_memory(plan: RunPlan, cfg: Any, acc: Accelerator) -> dict[str, Ledger]:
         if name == "rollout":
             continue
         size = sized(role.model_path)
-        section = role_section(cfg, _section_role(name, plan))
+        section = _section(cfg, name, plan)
         judge = judges.get(name)
         generates = _judge_generation(judge, role) if judge is not None else None
         megatron = not (generates is not None and generates.engine == "vllm" and not _reads_choices(judge))
@@ -64,11 +64,12 @@ def plan_memory(plan: RunPlan, cfg: Any, acc: Accelerator) -> dict[str, Ledger]:
     return {pool: pool_ledger(pool_loads, acc, gens.get(pool, [])) for pool, pool_loads in loads.items()}
 
 
-def _section_role(name: str, plan: RunPlan) -> str:
-    if name.startswith("reward/"):  # a reward source's own model section
+def _section(cfg: Any, name: str, plan: RunPlan) -> Any:
+    """The config section a role's sizes and micro-batch come from (a reward source: its own model section)."""
+    if name.startswith("reward/"):
         index = next(i for i, s in enumerate(plan.sources) if s.role == name)
-        return f"reward.sources.{index}.model"
-    return name
+        return cfg.reward.sources[index].model
+    return role_section(cfg, name)
 
 
 def _load(name: str, role: Any, size: _Sized, section: Any, plan: RunPlan, cfg: Any, megatron: bool, lm_head: bool):
