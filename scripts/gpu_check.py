@@ -346,7 +346,8 @@ def check_vllm(args) -> tuple[float, str, str]:
     rate = batch["response_mask"].sum().item() / (time.perf_counter() - start)
     weights_gib = sum(t.numel() * 2 for t in weights.values()) / 2**30
     engine.close()
-    return rate, "tokens/s", (f"sleep level {engine.sleep_level}; free GiB asleep {asleep:.1f}, awake {awake:.1f} "
+    sleep = f"sleep level {engine.sleep_level}" if gpu else "sleep is a no-op on CPU"
+    return rate, "tokens/s", (f"{sleep}; free GiB asleep {asleep:.1f}, awake {awake:.1f} "
                               f"(vLLM took {asleep - awake:.1f} GiB for {weights_gib:.2f} GiB of weights + KV cache)")
 
 
