@@ -4,13 +4,14 @@ One entry point, `apply()`: idempotent; it applies each patch whose condition ho
 refuses (raises `UnsupportedMegatronVersion`) on a megatron-core outside `SUPPORTED` instead of silently
 mis-patching. Each patch is a module naming the upstream site it replaces, the versions it was checked on
 (`CHECKED_ON`) and the versions it applies to (`VERSIONS`). Its condition (`CONDITIONS`) is the real reason it
-is needed: "no_cuda" (a CPU process through gloo) or "no_te" (Transformer Engine absent: also a GPU without
-TE, where Megatron's local layer spec and torch's Adam run):
+is needed: "no_cuda" (a CPU process through gloo), "no_te" (Transformer Engine absent: also a GPU without
+TE, where Megatron's local layer spec and torch's Adam run) or "local_spec" (Megatron's local layers can be built
+in any process: without TE, and for a LoRA model's adapted layers beside TE):
 
-    rng          no_cuda  CPU-generator RNG tracker      (tensor_parallel/random.py)
-    cuda_device  no_cuda  torch.cuda.* / 'cuda' -> CPU   (~160 sites across megatron/core)
-    tensor_type  no_cuda  'torch.cuda.FloatTensor' names in the optimizer dtype checks
-    norm_sp      no_te    sequence parallel with WrappedTorchNorm (tag norm params sequence_parallel)
+    rng          no_cuda     CPU-generator RNG tracker      (tensor_parallel/random.py)
+    cuda_device  no_cuda     torch.cuda.* / 'cuda' -> CPU   (~160 sites across megatron/core)
+    tensor_type  no_cuda     'torch.cuda.FloatTensor' names in the optimizer dtype checks
+    norm_sp      local_spec  sequence parallel with WrappedTorchNorm (tag norm params sequence_parallel)
     moe          no_cuda  MoE dispatcher split sizes and uneven gathers on gloo
     moe_gemm     no_te    moe_utils.te_general_gemm missing without Transformer Engine
     optim_ckpt   no_te    distributed-optimizer checkpoint load with torch's Adam ("step" state)
@@ -44,9 +45,9 @@ from megatron_patches.norm_sp import mark_sequence_parallel_params
 
 logger = logging.getLogger("megatron_patches")
 
-NO_CUDA, NO_TE = "no_cuda", "no_te"
+NO_CUDA, NO_TE, LOCAL_SPEC = "no_cuda", "no_te", "local_spec"
 # Order matters only for readability; each patch is independent.
-CONDITIONS = {"rng": NO_CUDA, "cuda_device": NO_CUDA, "tensor_type": NO_CUDA, "norm_sp": NO_TE, "moe": NO_CUDA,
+CONDITIONS = {"rng": NO_CUDA, "cuda_device": NO_CUDA, "tensor_type": NO_CUDA, "norm_sp": LOCAL_SPEC, "moe": NO_CUDA,
               "moe_gemm": NO_TE, "optim_ckpt": NO_TE, "single_rank": NO_CUDA, "fsdp_mesh": NO_CUDA}
 PATCHES = tuple(CONDITIONS)
 
@@ -63,8 +64,10 @@ _applied: list[str] = []
 
 
 def patches_for(cuda: bool, transformer_engine: bool) -> tuple[str, ...]:
-    """The patches a process needs: the CPU/gloo ones without CUDA, the no-TE ones without Transformer Engine."""
-    holds = {NO_CUDA: not cuda, NO_TE: not transformer_engine}
+    """The patches a process needs: the CPU/gloo ones without CUDA, the no-TE ones without Transformer Engine, the
+    local-spec ones always (LoRA builds Megatron's local layers beside TE: with sequence parallel, its torch norm
+    asserted before)."""
+    holds = {NO_CUDA: not cuda, NO_TE: not transformer_engine, LOCAL_SPEC: True}
     return tuple(name for name in PATCHES if holds[CONDITIONS[name]])
 
 
@@ -85,7 +88,7 @@ def patch_module(name: str) -> ModuleType:
 def apply() -> list[str]:
     """Apply the patches this process needs (`needed()`) once per process; return the names in force.
 
-    No-op (returns []) on a GPU with Transformer Engine. Raises UnsupportedMegatronVersion, before touching
+    On a GPU with Transformer Engine only the local-spec patch applies. Raises UnsupportedMegatronVersion, before touching
     anything, when megatron-core's version is outside SUPPORTED or outside any patch's VERSIONS.
     """
     names = needed()

@@ -142,19 +142,47 @@ def test_layer_spec_choice_reads_transformer_engine_not_cuda(monkeypatch):
         uses_transformer_engine()
 
 
-@pytest.mark.parametrize("on_gpu, te, kernels", [(True, False, False), (True, False, True), (True, True, False),
-                                                 (False, False, False)])
-def test_fusions_are_the_ones_this_process_can_run(on_gpu, te, kernels):
+@pytest.mark.parametrize("on_gpu, te, kernels, wgrad", [(True, False, False, False), (True, False, True, True),
+                                                         (True, True, False, False), (True, True, False, True),
+                                                         (False, False, False, False)])
+def test_fusions_are_the_ones_this_process_can_run(on_gpu, te, kernels, wgrad):
     """persist_layer_norm, RoPE / gradient-accumulation fusion need TE or apex kernels; without them the GPU
     path must not turn them on (the torch norm asserts persist_layer_norm off; the local attention imports the
-    compiled softmax inside its forward)."""
+    compiled softmax inside its forward; Megatron's own ColumnParallelLinear, the output layer of every spec,
+    raises at build with gradient_accumulation_fusion on and apex's fused_weight_gradient_mlp_cuda absent, TE or
+    not)."""
     from hybridrl.models.config import fusion_settings
 
-    got = fusion_settings(on_gpu, te, kernels)
+    got = fusion_settings(on_gpu, te, kernels, wgrad)
     assert got["persist_layer_norm"] is False
-    assert got["apply_rope_fusion"] == got["gradient_accumulation_fusion"] == (on_gpu and te)
+    assert got["apply_rope_fusion"] == (on_gpu and te)
+    assert got["gradient_accumulation_fusion"] == (on_gpu and wgrad)
     assert got["masked_softmax_fusion"] == (on_gpu and not te and kernels)
     assert got["bias_activation_fusion"] == got["bias_dropout_fusion"] == on_gpu
+
+
+def test_a_gpu_config_builds_megatrons_own_linears_without_apex(monkeypatch):
+    """A GPU process with Transformer Engine but without apex (what `pip install -e .[gpu]` gives): the output
+    layer is Megatron's ColumnParallelLinear in every spec, which refused gradient_accumulation_fusion before."""
+    from megatron.core.tensor_parallel import layers
+
+    from hybridrl.models import config as model_config
+    from hybridrl.models.tiny import tiny_hf_config
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)  # this machine: no apex either way
+    monkeypatch.setattr(model_config, "compiled_softmax_available", lambda: False)
+    monkeypatch.setattr(model_config, "wgrad_fusion_available", lambda: False)
+    no_rope = {"apply_rope_fusion": False}  # TE's fused RoPE kernel (its import is checked by the config) is not here
+    config = model_config.transformer_config_from_hf(tiny_hf_config("llama"), on_gpu=True, transformer_engine=True,
+                                                     **no_rope)
+    assert not config.gradient_accumulation_fusion
+    config.use_cpu_initialization = True  # only to build the module here
+    linear = layers.ColumnParallelLinear(config.hidden_size, 64, config=config, init_method=config.init_method,
+                                         bias=False, skip_bias_add=True)
+    assert linear.weight.shape == (64, config.hidden_size)
+    monkeypatch.setattr(model_config, "wgrad_fusion_available", lambda: True)  # with apex: the fusion is on
+    assert model_config.transformer_config_from_hf(tiny_hf_config("llama"), on_gpu=True, transformer_engine=True,
+                                                   **no_rope).gradient_accumulation_fusion
 
 
 def test_gpu_config_without_te_builds_the_local_layers(monkeypatch):
@@ -171,6 +199,49 @@ def test_gpu_config_without_te_builds_the_local_layers(monkeypatch):
     config.use_cpu_initialization = True  # only to build the module here
     norm = torch_norm.WrappedTorchNorm(config, config.hidden_size, normalization="RMSNorm")
     assert isinstance(norm, torch.nn.RMSNorm)
+
+
+def test_lora_local_layers_beside_transformer_engine(monkeypatch):
+    """LoRA builds Megatron's local layers even where TE is installed: their config must not ask for TE-only
+    fusions, and the hybrid engine's generation model must be built with the same layers (the same parameter
+    names: a TE generation model names its norms linear_qkv.layer_norm_weight, the reshard found no tensor)."""
+    import torch
+
+    from hybridrl.hybrid_engine import megatron_adapter
+    from hybridrl.models import builder
+    from hybridrl.models.tiny import tiny_hf_config
+
+    monkeypatch.setattr(builder, "uses_transformer_engine", lambda: True)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def config_from_hf(hf, **kwargs):
+        seen["transformer_engine"] = kwargs["transformer_engine"]
+        raise Stop
+
+    monkeypatch.setattr(builder, "transformer_config_from_hf", config_from_hf)
+    monkeypatch.setattr(builder, "_tp_pp_sizes", lambda pg: (1, 1, None))
+    monkeypatch.setattr(builder, "_expert_sizes", lambda pg: (1, None))
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 0)
+    for local, te in ((True, False), (False, True)):
+        with pytest.raises(Stop):
+            builder.build_gpt_model(tiny_hf_config("llama"), local_spec=local)
+        assert seen["transformer_engine"] is te, local
+    asked = {}
+
+    def build(hf, **kwargs):
+        asked.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(megatron_adapter, "build_gpt_model", build)
+    with pytest.raises(Stop):
+        megatron_adapter.build_generation_model(tiny_hf_config("llama"), None, torch.float32, 128,
+                                                torch.device("cpu"), local_spec=True)
+    assert asked["local_spec"] is True
 
 
 # ---- item 4: vLLM runs in the actor's precision, with the engine options of rollout.vllm ---------------------
@@ -227,3 +298,38 @@ def test_offload_options_are_checked_before_any_worker(tmp_path, monkeypatch):
                        (["algorithm.name=ppo", "critic.offload.params=true"], "critic.offload.params")):
         with pytest.raises(ConfigError, match=words):
             plan_run(load_config(None, base + bad))
+
+
+# ---- item 10: the collectives' own listeners on the cluster's interface, beyond loopback ------------------------
+def test_gloo_and_nccl_listen_on_the_interface_of_the_rendezvous(monkeypatch):
+    """A multi-node pool's rank 0 rendezvous on its node's cluster address: gloo and NCCL are pinned to that
+    address's interface (by default gloo binds what the hostname resolves to and NCCL the first interface it
+    likes); a user's own choice is kept."""
+    import os
+
+    import psutil
+
+    from hybridrl.parallel.distributed import interface_of, pin_collectives_to
+
+    assert interface_of("127.0.0.1") == "lo" and interface_of("198.51.100.77") is None
+    routable = [(name, a.address) for name, addrs in psutil.net_if_addrs().items() for a in addrs
+                if a.family.name == "AF_INET" and not a.address.startswith("127.")]
+    name, address = routable[0] if routable else ("lo", "127.0.0.1")
+    assert interface_of(address) == name
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(variable, raising=False)
+    pin_collectives_to(address)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == name
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    pin_collectives_to(address)
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+def test_role_start_timeout_grows_with_the_model():
+    """Item 10: a cold 70B actor reads 140 GB, builds its generation model and starts vLLM: more than the 300 s a
+    role had to start."""
+    from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
+
+    assert start_timeout_for(0) == DEFAULT_START_TIMEOUT_S
+    assert start_timeout_for(70_000_000_000) == DEFAULT_START_TIMEOUT_S + 30 * 70
+

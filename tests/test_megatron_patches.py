@@ -308,16 +308,16 @@ def test_unsupported_version_is_refused_before_patching(unpatched):
 def test_gpu_without_transformer_engine_gets_only_the_no_te_shims(unpatched):
     """The shims that stand in for TE are gated on "TE absent", not on "CUDA absent" (issue 36 item 9): a GPU
     process without TE gets the sequence-parallel torch norm, the MoE router gemm and torch Adam's checkpoint
-    fix, and none of the CPU/gloo shims; a GPU process with TE gets none."""
-    from megatron_patches import patches_for
+    fix, and none of the CPU/gloo shims; a GPU process with TE gets only the sequence-parallel norm (a LoRA model's
+    local layers beside TE build it)."""
+    from megatron_patches import PATCHES, patches_for
 
     result = _worked(unpatched["gpu_without_te"])
     assert result["result"] == result["applied"] == ["norm_sp", "moe_gemm", "optim_ckpt"]
     assert result["sp_norm_tagged"]
-    assert patches_for(cuda=True, transformer_engine=True) == ()
-    assert set(patches_for(cuda=False, transformer_engine=False)) == {"rng", "cuda_device", "tensor_type", "norm_sp",
-                                                                       "moe", "moe_gemm", "optim_ckpt", "single_rank",
-                                                                       "fsdp_mesh"}
+    assert patches_for(cuda=True, transformer_engine=True) == ("norm_sp",)
+    assert set(patches_for(cuda=False, transformer_engine=False)) == set(PATCHES) == {
+        "rng", "cuda_device", "tensor_type", "norm_sp", "moe", "moe_gemm", "optim_ckpt", "single_rank", "fsdp_mesh"}
 
 
 @pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "1.0.0", "not-a-version"])

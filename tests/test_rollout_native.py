@@ -281,3 +281,55 @@ def test_lean_forward_equals_megatron_forward(dist_pool, family_dirs):
                 (lean_tokens, lean_lp), (ref_tokens, ref_lp) = out[(name, True, greedy)], out[(name, False, greedy)]
                 assert torch.equal(lean_tokens, ref_tokens), (name, tp, greedy)
                 assert (lean_lp - ref_lp).abs().max().item() <= 1e-5, (name, tp, greedy)
+
+
+class _MaskIgnoringAttention(torch.nn.Module):
+    """Transformer Engine's attention as its layer spec runs it (causal in the prefill, no_mask in decode steps),
+    on CPU: Megatron's local attention with the engine's padding mask dropped (its softmax then builds the causal
+    mask itself in the prefill). Not a DotProductAttention, as TE's is not."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        return self.inner(query, key, value, None, *args, **kwargs)
+
+
+def _left_padding_with_mask_ignoring_attention(model_dir: str) -> dict:
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.rollout import SamplingParams
+    from hybridrl.rollout import native
+
+    initialize_model_parallel(ParallelLayout(tp=1, dp=2))
+    model, hf_config = _build_model(model_dir)
+    params = SamplingParams(n=2, seed=3, temperature=1.0, max_new_tokens=NEW_TOKENS)
+
+    def generate(honours=None):
+        engine = native.NativeRolloutEngine(model, vocab_size=hf_config.vocab_size, max_model_len=32,
+                                            max_batch_size=4, fast_forward=False)
+        if honours is not None:  # as before the fix: padded rows batched together whatever the attention
+            engine.one_length_per_batch = not honours
+        batch = engine.generate(PROMPTS, params)
+        return {"tokens": batch["responses"], "log_probs": batch["rollout_log_probs"],
+                "one_length": engine.one_length_per_batch, "prompts": batch["prompts"]}
+
+    out = {"local": generate()}
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention = _MaskIgnoringAttention(layer.self_attention.core_attention)
+    out["te_like"], out["te_like_padded"] = generate(), generate(honours=True)
+    return out
+
+
+def test_attention_that_ignores_masks_never_sees_left_padding(dist_pool, model_dirs):
+    """Issue 36 item 7: with Transformer Engine's attention (it ignores the padding mask) the native engine batches
+    prompts by length, so its tokens and log-probs equal those of Megatron's masked local attention; batched with
+    left padding, as before, they differ."""
+    out = dist_pool(2).run(_left_padding_with_mask_ignoring_attention, model_dirs[0])[0]
+    local, te_like, padded = out["local"], out["te_like"], out["te_like_padded"]
+    assert not local["one_length"] and te_like["one_length"]
+    assert torch.equal(te_like["prompts"], local["prompts"])  # rows come back in the caller's order
+    assert torch.equal(te_like["tokens"], local["tokens"])
+    assert (te_like["log_probs"] - local["log_probs"]).abs().max().item() <= 1e-5
+    assert (padded["log_probs"] - local["log_probs"]).abs().max().item() > 1e-3  # the bug the grouping removes

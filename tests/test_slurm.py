@@ -323,7 +323,7 @@ def test_dry_run_renders_the_train_job(tmp_path, capsys):
     assert rc == 0, err
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --time=1-00:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@180",
-                 "#SBATCH --account=rl", "#SBATCH --ntasks-per-node=1", "export NCCL_DEBUG=WARN",
+                 "#SBATCH --account=rl", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "export NCCL_DEBUG=WARN",
                  f"RUN_DIR='{run_dir}'", "GPUS_PER_NODE=8", "IP_MODE=auto", "TRAINER=1", "RESUME_ON_REQUEUE=1"):
         assert line in script, line
     # the trainer writes into the job's run dir (a requeued job finds its checkpoints there)
@@ -340,6 +340,17 @@ def test_dry_run_renders_the_train_job(tmp_path, capsys):
     assert rc == 0, err
     assert "COMMAND=(echo 'a b')" in script and "#SBATCH --no-requeue" in script and "TRAINER=0" in script
     assert "RESUME_ON_REQUEUE=0" in script and "#SBATCH --gpus-per-node" not in script
+    assert "#SBATCH --exclusive" not in script  # a CPU job keeps Slurm's default
+
+    # a GPU job's resources: whole nodes unless it names its CPUs or shares on purpose
+    for extra, wanted, unwanted in ((["--cpus-per-task", "64", "--mem", "500G"],
+                                     ["#SBATCH --cpus-per-task=64", "#SBATCH --mem=500G"], ["#SBATCH --exclusive"]),
+                                    (["--no-exclusive"], [], ["#SBATCH --exclusive", "--cpus-per-task"]),
+                                    (["--cpus-per-task", "8", "--exclusive"], ["#SBATCH --exclusive"], [])):
+        rc, script, err = submit_in_process(capsys, "--command", "true", "--nodes", "1", "--gpus-per-node", "8",
+                                            "--dry-run", *extra)
+        assert rc == 0, err
+        assert all(line in script for line in wanted) and not any(line in script for line in unwanted), extra
 
     # without --run-dir the trainer's run dir is the job's; resume chosen by the user: no auto-resume
     rc, script, err = submit_in_process(capsys, "configs/remax_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1",

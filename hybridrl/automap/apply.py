@@ -38,6 +38,16 @@ def _machine(devices: int, nodes: int, dtype: str):
     return acc
 
 
+def _engine(requested: str, acc) -> str:
+    """The actor's engine as the memory model sees it: vLLM on GPUs where rollout.engine is vllm or auto (the plan
+    resolves auto to vLLM where it is installed), else native."""
+    import importlib.util
+
+    if acc.shared_cores or requested == "native":
+        return "native"
+    return "vllm" if requested == "vllm" or importlib.util.find_spec("vllm") is not None else "native"
+
+
 def _lora_roles(cfg: Any) -> dict[str, tuple[int, list[str] | None]]:
     """The LoRA roles' (rank, targets) for the search (trainer/plan_lora.py resolves the same settings)."""
     out = {}
@@ -83,8 +93,10 @@ def apply_auto_map(cfg: Any) -> dict:
         raise ConfigError(str(exc)) from None
     try:
         acc = _machine(devices, int(res.nodes), cfg.actor.model.dtype)
+        offload = cfg.actor.offload
         prob = make_problem(actor_path, alg.name, acc, devices, work, reference=step.reference, lora=_lora_roles(cfg),
-                            **others)
+                            engine=_engine(roll.engine, acc), offload=(offload.grads, offload.optimizer,
+                                                                       offload.params), **others)
         budget = cfg.actor.max_tokens_per_micro_batch
         prob.max_micro_batch = max(1, budget // work.tokens) if budget else cfg.actor.micro_batch_size
         result = Mapper(prob, "trainer").search(top_k=3)
@@ -107,6 +119,8 @@ def apply_auto_map(cfg: Any) -> dict:
             section.max_tokens_per_micro_batch = choice.micro_batch * work.tokens
         if "actor" in choice.roles:
             roll.tp, roll.pp = choice.gen_tp, choice.gen_pp
+            if choice.vllm_utilization is not None:  # vLLM's share: what the pool leaves it while generating
+                roll.vllm.gpu_memory_utilization = choice.vllm_utilization
     report = {"machine": acc.describe(), "calibration": {"peak_flops": acc.peak_flops, "memory_bw": acc.memory_bw,
                                                          "layer_overhead_s": acc.layer_overhead},
               "execution": result.execution.name, "best": mapping_json(best, prob),

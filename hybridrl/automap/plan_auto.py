@@ -48,7 +48,8 @@ def build_report(args: argparse.Namespace) -> dict:
         return make_problem(args.model, args.algorithm, acc, args.gpus, work, critic_model=args.critic_model,
                             reward_model=reward, cost_model=reward, allow_generation_pp=execution_allows_pp,
                             lora=lora, judge_model=judge, judge_work=JudgeWork(getattr(args, "judge_tokens", 32)),
-                            teacher_model=getattr(args, "teacher_model", None))
+                            teacher_model=getattr(args, "teacher_model", None), engine=_engine(args, acc),
+                            offload=_offload(args))
 
     prob = problem(args.rollout_pool)
     mapper = Mapper(prob, args.execution)
@@ -64,6 +65,7 @@ def build_report(args: argparse.Namespace) -> dict:
                      "greedy_baseline": work.greedy, "old_log_prob_pass": work.old_log_probs,
                      **({"judge_verdict_tokens": prob.judge.verdict_tokens} if judge else {})},
         "roles": list(prob.roles),
+        "offload": [name for name, on in zip(("grads", "optimizer", "params"), prob.offload) if on],
         "lora": {"rank": rank, "target_modules": targets, "adapter_share": prob.adapters.get("actor"),
                  "reference": "the actor with its adapters off" if prob.reference_from_actor else None}
         if rank else None,
@@ -74,6 +76,21 @@ def build_report(args: argparse.Namespace) -> dict:
                                for m in result.top]},
         "note": "modelled estimates (hybridrl/automap/cost.py), not measurements",
     }
+
+
+def _engine(args: argparse.Namespace, acc) -> str:
+    """--engine: vllm on GPUs unless told otherwise (rollout.engine auto picks it there), native on CPU."""
+    given = getattr(args, "engine", None)
+    return given or ("native" if acc.shared_cores else "vllm")
+
+
+def _offload(args: argparse.Namespace) -> tuple[bool, bool, bool]:
+    """--offload grads,optimizer,params: the actor's states off the GPU while it generates (actor.offload)."""
+    parts = {p for p in (getattr(args, "offload", None) or "").split(",") if p}
+    unknown = parts - {"grads", "optimizer", "params"}
+    if unknown:
+        raise ValueError(f"--offload {','.join(sorted(unknown))}: choose from grads, optimizer, params")
+    return "grads" in parts, "optimizer" in parts, "params" in parts
 
 
 def _reward_model(args: argparse.Namespace) -> str | None:
@@ -164,6 +181,10 @@ def config_from_report(report: dict, model: str, nodes_of: int, reward_model: st
                                 **({"path": _config_model(model, f"/path/to/{model}")} if role == "actor" else {})}
     gen = roles["actor"]["generation"]
     cfg["rollout"].update(tp=gen["tp"], pp=gen["pp"])
+    if "vllm_gpu_memory_utilization" in gen:  # vLLM's share: what the pool leaves it while generating
+        cfg["rollout"]["vllm"] = {"gpu_memory_utilization": gen["vllm_gpu_memory_utilization"]}
+    if report.get("offload"):
+        cfg["actor"]["offload"] = {name: True for name in report["offload"]}
     if report.get("lora"):  # the actor's (and critic's) adapters; the actor is its own reference
         lora = report["lora"]
         for role in ("actor", "critic"):

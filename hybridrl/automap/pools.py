@@ -15,6 +15,7 @@ from hybridrl.automap.cost import (LM_ROLES, ModelStats, Net, Workload, activati
                                    generation_buffer_bytes, generation_time, static_bytes, update_time)
 from hybridrl.automap.hardware import Accelerator
 from hybridrl.automap.judge_cost import JudgeWork, judge_cost
+from hybridrl.automap.ledger import VLLM_RUNTIME_BYTES, RoleLoad
 from hybridrl.hybrid_engine.cost_model import Hardware, transition_time
 from hybridrl.hybrid_engine.model_shapes import ModelShapes
 from hybridrl.hybrid_engine.plan import HybridEnginePlan
@@ -64,6 +65,8 @@ class Problem:
     adapters: dict[str, float] = field(default_factory=dict)  # LoRA roles: adapter share of the parameters
     reference_from_actor: bool = False  # a LoRA actor is its own reference (no "ref" role)
     judge: JudgeWork | None = None  # a generative judge scores the responses (the "judge" role)
+    engine: str = "native"  # the actor's rollout engine: vllm keeps its own copy of the weights (ledger.py)
+    offload: tuple[bool, bool, bool] = (False, False, False)  # actor.offload grads, optimizer, params
     simulations: int = 0
     oom_excluded: int = 0
     _transitions: dict = field(default_factory=dict)
@@ -98,6 +101,7 @@ class PoolChoice:
     ops: dict                 # "role.op" -> seconds on this pool
     static_bytes: float
     peak_bytes: float
+    vllm_utilization: float | None = None  # rollout.vllm.gpu_memory_utilization: the room vLLM may take here
 
     @property
     def busy(self) -> float:
@@ -152,15 +156,20 @@ def best_pool(prob: Problem, roles: tuple[str, ...], devices: int, per_node: int
 
 
 def _best_generation(prob: Problem, t: int, p: int, d: int, per_node: int, static: float, cap: float, net: Net,
-                     fixed: tuple[int, int] | None) -> tuple[int, int, float, float, float] | None:
-    """(t_g, p_g, generation s, transition s, peak bytes) of the fastest generation layout that fits."""
+                     fixed: tuple[int, int] | None) -> tuple[int, int, float, float, float, float | None] | None:
+    """(t_g, p_g, generation s, transition s, peak bytes, vLLM's share of the device or None) of the fastest
+    generation layout that fits."""
     actor, acc, work = prob.models["actor"], prob.acc, prob.work
     best = None
     for tg, pg in _generation_layouts(prob, actor, t, p, fixed):
         prob.simulations += 1
         buffer = generation_buffer_bytes(actor, t, p, tg, pg, acc)
         per_sequence = work.tokens * actor.kv_bytes_per_token(tg, pg, acc.param_bytes)
-        batch_cap = math.floor((cap - static - buffer) / per_sequence)
+        resident, engine = static, 0.0
+        if prob.engine == "vllm":  # vLLM's own copy and runtime beside what stays (ledger.py), offload counted
+            resident, buffer = _vllm_resident(prob, t, p, d, static, buffer)
+            engine = acc.param_bytes * actor.shard_params(tg, pg) + VLLM_RUNTIME_BYTES
+        batch_cap = math.floor((cap - resident - buffer - engine) / per_sequence)
         if batch_cap < 1:
             prob.oom_excluded += 1
             continue
@@ -168,10 +177,23 @@ def _best_generation(prob: Problem, t: int, p: int, d: int, per_node: int, stati
         seconds = generation_time(actor, tg, pg, replicas, batch_cap, work, net)
         switch = prob.transition(t, p, d, tg, pg, per_node)
         used = min(batch_cap, math.ceil(work.generated / replicas), work.max_decode_batch)
-        peak = static + buffer + used * per_sequence
+        peak = resident + buffer + engine + used * per_sequence
+        share = math.floor(100 * (cap - resident - buffer) / acc.memory_bytes) / 100 if prob.engine == "vllm" else None
         if best is None or seconds + switch < best[2] + best[3]:
-            best = (tg, pg, seconds, switch, peak)
+            best = (tg, pg, seconds, switch, peak, share)
     return best
+
+
+def _vllm_resident(prob: Problem, t: int, p: int, d: int, static: float, buffer: float) -> tuple[float, float]:
+    """(bytes resident while vLLM generates, the hybrid engine's buffer then): the actor's offloaded states away;
+    a LoRA actor's adapters are served on vLLM's own base (nothing resharded)."""
+    grads, optimizer, params = prob.offload
+    actor = RoleLoad("actor", prob.models["actor"], trained=True, t=t, p=p, d=d, dtype_bytes=prob.acc.param_bytes,
+                     adapters=prob.adapters.get("actor", 0.0), offload_grads=grads, offload_optimizer=optimizer,
+                     offload_params=params)
+    states = actor.states()
+    resident = static - sum(states[name] for name in actor.away("generation"))
+    return resident, 0.0 if params or prob.reference_from_actor else buffer
 
 
 def _micro_batches(prob: Problem, roles: tuple[str, ...], ops_here: list, t: int, p: int, d: int, per_node: int,
@@ -220,7 +242,7 @@ def _micro_batches(prob: Problem, roles: tuple[str, ...], ops_here: list, t: int
             stages[stage] += seconds
         peak = max(static + fwd, static + train, gen[4] if gen else 0.0, peak_extra)
         yield PoolChoice(roles, t * p * d, per_node, t, p, d, gen[0] if gen else None, gen[1] if gen else None, mb,
-                         recompute, tuple(stages), ops, static, peak)
+                         recompute, tuple(stages), ops, static, peak, gen[5] if gen else None)
 
 
 def best_rollout_pool(prob: Problem, devices: int, per_node: int) -> PoolChoice | None:

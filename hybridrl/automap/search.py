@@ -77,13 +77,15 @@ def roles_for(algorithm: str, reward_model: bool = True, cost_model: bool = True
 def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model: str | None = None,
                  reward_model: str | None = "same", cost_model: str | None = "same", reference: bool = True,
                  allow_generation_pp: bool = False, lora: dict[str, tuple[int, list[str] | None]] | None = None,
-                 judge_model: str | None = None, judge_work=None, teacher_model: str | None = None) -> Problem:
+                 judge_model: str | None = None, judge_work=None, teacher_model: str | None = None,
+                 engine: str = "native", offload: tuple[bool, bool, bool] = (False, False, False)) -> Problem:
     """The search's input. model: a preset or HF folder (the actor and reference); critic_model: the critics'
     (None: the actor's); reward_model / cost_model: "same" (the actor's size), None (a rule function: no
     devices) or another preset / folder; lora: {role: (rank, target_modules)} of the LoRA roles (actor, critic):
     their adapters' share of the parameters is trained, and a LoRA actor is its own reference; judge_model: a
     generative judge (preset / folder, "same"; its automap.judge_cost.JudgeWork in judge_work); teacher_model: an
-    on-policy distillation teacher."""
+    on-policy distillation teacher; engine: the actor's rollout engine (vllm counts its own copy, runtime and KV
+    cache beside what stays on the GPU); offload: actor.offload (grads, optimizer, params)."""
     shapes = model_shapes(model)
     actor = ModelStats.from_shapes(shapes)
     lora = lora or {}
@@ -108,7 +110,8 @@ def make_problem(model: str, algorithm: str, acc, gpus: int, work, critic_model:
         if role == "critic":
             adapters["cost_critic"] = adapters[role]
     return Problem({r: models[r] for r in roles}, shapes, roles, work, acc, gpus, allow_generation_pp,
-                   adapters=adapters, reference_from_actor=from_actor, judge=judge_work)
+                   adapters=adapters, reference_from_actor=from_actor, judge=judge_work, engine=engine,
+                   offload=tuple(offload))
 
 
 def set_partitions(items: list[str]) -> Iterator[list[list[str]]]:
@@ -310,7 +313,9 @@ def mapping_json(mapping: Mapping, prob: Problem) -> dict:
             gen = rollout or choice
             roles["actor"]["generation"] = {"tp": gen.gen_tp, "pp": gen.gen_pp,
                                             "replicas": gen.devices // (gen.gen_tp * gen.gen_pp),
-                                            "pool": pool_name(gen)}
+                                            "pool": pool_name(gen), "engine": prob.engine}
+            if gen.vllm_utilization is not None:  # what rollout.vllm.gpu_memory_utilization may be here
+                roles["actor"]["generation"]["vllm_gpu_memory_utilization"] = gen.vllm_utilization
     if mapping.sync_s:
         ops["rollout.weight_sync"] = mapping.sync_s
     work = prob.work

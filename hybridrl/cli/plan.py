@@ -27,9 +27,15 @@ from hybridrl.parallel.layout import FSDP_MODES, LayoutError, ParallelLayout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model",
                         help=f"preset ({', '.join(PRESETS)}), a local Hugging Face config folder, a hub id "
-                             f"org/name[@revision] or tiny:<name>")
+                             f"org/name[@revision] or tiny:<name> (required unless --memory)")
+    parser.add_argument("--memory", metavar="CONFIG",
+                        help="the memory ledger of a training config instead: per pool, what stays on one GPU (--gpu) "
+                             "in each phase of a step, vLLM's copy and KV cache and offload included "
+                             "(hybridrl/automap/ledger.py)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for --memory (repeatable)")
     for role, name in (("train", "training"), ("gen", "generation")):
         parser.add_argument(f"--{role}-tp", type=int, default=1, help=f"{name} tensor-parallel size")
         parser.add_argument(f"--{role}-pp", type=int, default=1, help=f"{name} pipeline-parallel size")
@@ -80,6 +86,11 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
                             "trainer: what `hybridrl train` runs today (calls in sequence, pools spread over nodes)")
     group.add_argument("--rollout-pool", action="store_true",
                        help="also consider generation on a pool of its own and p_g > 1 (not yet runnable)")
+    group.add_argument("--engine", choices=("vllm", "native"),
+                       help="the actor's rollout engine (default: vllm on GPUs, native on CPU); vllm keeps its own "
+                            "copy of the generation weights, its runtime and KV cache beside what stays on the GPU")
+    group.add_argument("--offload", metavar="STATES", help="actor.offload while generating: a comma list of grads, "
+                                                          "optimizer, params")
     group.add_argument("--top", type=int, default=5, help="mappings to list")
     group.add_argument("--write-config", metavar="FILE", help="write the best mapping as a hybridrl train YAML")
     lora = parser.add_argument_group("LoRA (the actor's adapters; plan and --auto)")
@@ -197,6 +208,11 @@ def _resolved(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.memory:
+        return _run_memory(args)
+    if not args.model:
+        print("hybridrl plan: give --model (or --memory CONFIG)", file=sys.stderr)
+        return 2
     if args.auto:
         return _run_auto(args)
     try:
@@ -210,6 +226,34 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_text(report)
     return 0
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    """`hybridrl plan --memory CONFIG`: the config planned as `hybridrl train` plans it, then each pool's ledger."""
+    # start-up time: the trainer's plan imports the model and rollout packages; only this command needs them
+    from hybridrl.automap.hardware import gpu
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.trainer.plan import plan_run
+    from hybridrl.trainer.plan_memory import plan_memory
+
+    if args.gpu not in GPUS:
+        print(f"hybridrl plan --memory: --gpu {args.gpu!r} is not a known device type; choose one of "
+              f"{', '.join(sorted(GPUS))}", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.memory, args.overrides)
+        ledgers = plan_memory(plan_run(cfg), cfg, gpu(args.gpu))
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"hybridrl plan --memory: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({pool: ledger.to_json() for pool, ledger in ledgers.items()}))
+    else:
+        for pool, ledger in ledgers.items():
+            print(ledger.summary(pool, args.gpu))
+            for phase, nbytes in ledger.phases.items():
+                print(f"  {phase:24s} {_gib(nbytes)}")
+    return 0 if all(ledger.fits for ledger in ledgers.values()) else 3
 
 
 def _run_auto(args: argparse.Namespace) -> int:

@@ -30,9 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job-name", default="hybridrl")
     parser.add_argument("--run-dir", help="shared directory for the job's logs, metrics and checkpoints "
                         "(default: the trainer.run_dir override, else runs/<job-name>-<timestamp>)")
-    parser.add_argument("--cpus-per-task", type=int, help="CPUs per node for the job (default: Slurm's)")
+    parser.add_argument("--cpus-per-task", type=int, help="CPUs per node for the job (default: Slurm's, or the whole "
+                                                          "node for a GPU job: --exclusive)")
     parser.add_argument("--mem", help="memory per node, Slurm format (e.g. 500G)")
-    parser.add_argument("--exclusive", action="store_true", help="whole nodes only")
+    parser.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
+                        help="whole nodes (default for a GPU job without --cpus-per-task: Slurm's default of one CPU "
+                             "per task would leave the node's 8 workers and Ray one core; --no-exclusive to share)")
     parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                         help="extra #SBATCH line, e.g. --sbatch-arg=--account=abc (repeatable)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",

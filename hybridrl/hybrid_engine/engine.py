@@ -81,7 +81,8 @@ class HybridEngine:
         first = next(inner.parameters())
         # no memory for its weights (meta build): they will view the generation buffer
         self.gen_model, self._gen_shapes = build_generation_model(
-            hf_config, pgs, first.dtype, inner.hybridrl_args.padded_vocab_size, first.device)
+            hf_config, pgs, first.dtype, inner.hybridrl_args.padded_vocab_size, first.device,
+            local_spec=getattr(inner, "hybridrl_local_spec", False))
         params = training_params(train_model, stage)
         self.experts = None  # expert parallelism: the other ranks' experts are gathered first (experts.py)
         if layout.ep > 1 or layout.expert_tp != layout.tp:

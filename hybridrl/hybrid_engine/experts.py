@@ -214,7 +214,7 @@ class ExpertRegroup:
         takers = [(peer, self.layout.coords(peer).tp) for peer in self.peers
                   if self.me.etp in self.layout.expert_shards_of_tp_shard(self.layout.coords(peer).tp)]
         for tag, (bucket, regions) in enumerate(zip(self.buckets, self.regions)):
-            works, packed, scratches = [], {}, []
+            ops, packed, scratches = [], {}, []
             for block, start, numel in regions:
                 region = self.flat.narrow(0, start, numel)
                 # join > 1: the pieces of `join` expert-TP shards, assembled into the region once all have come
@@ -224,7 +224,7 @@ class ExpertRegroup:
                     if holder == self.rank:  # a piece of the rank's own experts: one copy
                         self._piece(bucket, self.tp_rank, out=piece)
                     else:
-                        works.append(dist.irecv(piece, holder, tag=tag))
+                        ops.append(dist.P2POp(dist.irecv, piece, holder, tag=tag))
                         received += piece.numel() * piece.element_size()
                 if self.join > 1:
                     scratches.append((region, target))
@@ -232,8 +232,9 @@ class ExpertRegroup:
                 sub = peer_tp % self.split
                 if sub not in packed:
                     packed[sub] = self._piece(bucket, peer_tp)
-                works.append(dist.isend(packed[sub], peer, tag=tag))
-            for work in works:
+                ops.append(dist.P2POp(dist.isend, packed[sub], peer, tag=tag))
+            # one batch: NCCL runs it as one group (no per-pair ordering to deadlock on, no message at a time)
+            for work in dist.batch_isend_irecv(ops) if ops else []:
                 work.wait()
             for region, scratch in scratches:
                 self._assemble(bucket, region, scratch.chunk(self.join))

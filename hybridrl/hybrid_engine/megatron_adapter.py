@@ -156,15 +156,17 @@ def detach_generation_weights(gen_model: Any, device: torch.device | None = None
 
 
 def build_generation_model(hf_config: Any, pg_collection: Any, dtype: torch.dtype, padded_vocab_size: int,
-                           device: torch.device) -> tuple[Any, dict[str, tuple[int, ...]]]:
+                           device: torch.device, local_spec: bool = False) -> tuple[Any, dict[str, tuple[int, ...]]]:
     """The generation-layout model WITHOUT allocating its weights: built on the meta device (no initialisation),
     then given empty parameters on `device` (the reshard fills them on every transition). Returns the model and
     its parameter shapes. Built with real random weights it would take the whole generation shard of memory (and
-    the time to initialise it) once, and leave that much in torch's allocator cache on a GPU."""
+    the time to initialise it) once, and leave that much in torch's allocator cache on a GPU. local_spec: the
+    training model's layers are Megatron's local ones (LoRA beside Transformer Engine): the same here, so every
+    parameter name matches."""
     with torch.device("meta"):
         gen_model = build_gpt_model(hf_config, pg_collection=pg_collection, dtype=dtype,
                                     padded_vocab_size=padded_vocab_size, use_cpu_initialization=True,
-                                    perform_initialization=False)
+                                    perform_initialization=False, local_spec=local_spec)
     gen_model.eval()
     shapes = generation_parameter_shapes(gen_model)
     detach_generation_weights(gen_model, device)

@@ -65,7 +65,7 @@ def run_point_to_point(sched: InPlaceSchedule, me: int, members: list[int], grou
     peers = [m for m in range(len(members)) if m != me]
     tag = 0  # one per message, counted identically on every member
     for indices, _ in plan:
-        works, unpack, cursor = [], [], 0
+        ops, unpack, cursor = [], [], 0
         for index in indices:
             op = sched.ops[index]
             groups = list(_senders(op).items()) if op.packed else [(p.member, [p]) for p in op.parts]
@@ -85,7 +85,7 @@ def run_point_to_point(sched: InPlaceSchedule, me: int, members: list[int], grou
                         stats.regroup_copy_bytes += sum(sizes) * itemsize
                     else:
                         send = srcs[0]
-                    works += [dist.isend(send, members[peer], group=group, tag=tag) for peer in peers]
+                    ops += [dist.P2POp(dist.isend, send, members[peer], group, tag) for peer in peers]
                 else:
                     if direct:
                         recv = dsts[0]
@@ -93,11 +93,12 @@ def run_point_to_point(sched: InPlaceSchedule, me: int, members: list[int], grou
                         recv = scratch[cursor:cursor + sum(sizes)]
                         cursor += sum(sizes)
                         unpack.append((dsts, sizes, recv))
-                    works.append(dist.irecv(recv, members[sender], group=group, tag=tag))
+                    ops.append(dist.P2POp(dist.irecv, recv, members[sender], group, tag))
                     stats.recv_payload_bytes += sum(sizes) * itemsize
                     stats.messages += 1
                 tag += 1
-        for work in works:
+        # one batch per wave: NCCL runs it as one group (no per-pair ordering to deadlock on)
+        for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         for dsts, sizes, recv in unpack:
             offset = 0

@@ -167,6 +167,14 @@ def validate(args: argparse.Namespace) -> JobCommand:
     return _train_command(args)
 
 
+def exclusive_nodes(args: argparse.Namespace) -> bool:
+    """--exclusive as given; unset: a GPU job that names no --cpus-per-task takes whole nodes (Slurm's default of one
+    CPU per task would put the node's GPU workers, Ray and the trainer on one core)."""
+    if args.exclusive is not None:
+        return bool(args.exclusive)
+    return bool(args.gpus_per_node) and not args.cpus_per_task
+
+
 def sbatch_directives(args: argparse.Namespace, run_dir: Path) -> list[str]:
     lines = [f"--job-name={args.job_name}", f"--nodes={args.nodes}", "--ntasks-per-node=1",
              f"--output={run_dir}/slurm-%j.out", "--open-mode=append"]
@@ -180,7 +188,7 @@ def sbatch_directives(args: argparse.Namespace, run_dir: Path) -> list[str]:
         lines.append(f"--partition={args.partition}")
     if args.time:
         lines.append(f"--time={args.time}")
-    if args.exclusive:
+    if exclusive_nodes(args):
         lines.append("--exclusive")
     if args.requeue:
         lines.append("--requeue")

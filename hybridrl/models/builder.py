@@ -128,7 +128,8 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     ep, expert_tp = _expert_sizes(pg_collection) if ModelDims.from_hf(hf_config).moe is not None else (1, None)
     config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
                                         dtype=dtype, on_gpu=use_cuda(), ep=ep, expert_tp=expert_tp,
-                                        transformer_engine=uses_transformer_engine(), **config_overrides)
+                                        transformer_engine=uses_transformer_engine() and not local_spec,
+                                        **config_overrides)
     tie = args.tie_embeddings and head == "lm"
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(
@@ -146,6 +147,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     model.hybridrl_args = args
     model.hybridrl_head = head
     model.hybridrl_family = family
+    model.hybridrl_local_spec = local_spec  # a model resharded from this one is built with the same layers (names)
     model.hybridrl_expert_offset = _expert_offset(config, pg_collection)
     logger.debug("built %s GPTModel (%s head) tp=%d pp=%d stage=%d", family.name, head, tp, pp, pp_rank)
     return model

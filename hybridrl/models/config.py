@@ -142,17 +142,30 @@ def compiled_softmax_available() -> bool:
                for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
 
 
-def fusion_settings(on_gpu: bool, transformer_engine: bool, softmax_kernels: bool) -> dict[str, bool]:
-    """Megatron's kernel fusions this process can run (issue 36 items 9, 10: a GPU without TE must not assert):
+def wgrad_fusion_available() -> bool:
+    """Whether apex's fused weight-gradient kernel imports: Megatron's own ColumnParallelLinear (the output layer in
+    every spec, every linear in the local spec) raises at build with gradient_accumulation_fusion on without it,
+    Transformer Engine or not."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def fusion_settings(on_gpu: bool, transformer_engine: bool, softmax_kernels: bool,
+                    wgrad_kernel: bool = False) -> dict[str, bool]:
+    """Megatron's kernel fusions this process can run (issue 36 items 9, 10: a GPU without TE or apex must not
+    assert):
     - bias-activation (SwiGLU) and bias-dropout fusions are torch.jit / torch.compile kernels: every GPU (on CPU
       they compile through torch.compile for 15-20 s per process: off);
-    - RoPE fusion and gradient-accumulation fusion are Transformer Engine's kernels (TE's linears accumulate
-      weight gradients straight into Megatron's fp32 main_grad): with TE only;
+    - RoPE fusion is Transformer Engine's kernel: with TE layers only;
+    - gradient-accumulation fusion (weight gradients straight into Megatron's fp32 main_grad) needs apex's
+      fused_weight_gradient_mlp_cuda for Megatron's own linears, the output layer included: with it only (TE's
+      linears alone would not need it, but the flag is one for the whole model);
     - persist_layer_norm is apex's persistent LayerNorm kernel; the local spec's torch RMSNorm asserts it off;
     - the masked-softmax fusion is used by the local attention only, with compiled kernels present."""
     return dict(bias_activation_fusion=on_gpu, bias_dropout_fusion=on_gpu,
                 apply_rope_fusion=on_gpu and transformer_engine,
-                gradient_accumulation_fusion=on_gpu and transformer_engine,
+                gradient_accumulation_fusion=on_gpu and wgrad_kernel,
                 masked_softmax_fusion=on_gpu and not transformer_engine and softmax_kernels,
                 persist_layer_norm=False)
 
@@ -181,7 +194,8 @@ def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, sequ
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True,
-        **fusion_settings(on_gpu, transformer_engine, on_gpu and compiled_softmax_available()),
+        **fusion_settings(on_gpu, transformer_engine, on_gpu and compiled_softmax_available(),
+                          on_gpu and wgrad_fusion_available()),
         cross_entropy_loss_fusion=False,
         use_cpu_initialization=not on_gpu,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),

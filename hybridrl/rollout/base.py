@@ -257,11 +257,16 @@ class RolloutEngine(abc.ABC):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Take new weights (in place); cached state computed with the old ones is dropped. Only while the
         weights are resident (WEIGHTS or AWAKE): a push into a sleeping engine raises."""
-        if self._state is EngineState.ASLEEP:
-            raise EngineStateError(f"{type(self).__name__}.load_weights() into a sleeping engine (after release()): "
-                                   f"call wake_weights() first, push, then wake()")
+        self.check_weights_resident("load_weights()")
         self._load_weights(named_tensors)
         self._weights_current = True
+
+    def check_weights_resident(self, what: str) -> None:
+        """Raise unless the weights' memory is resident (WEIGHTS or AWAKE): anything written into the engine's
+        weights (a push, a LoRA adapter swap) must wait for wake_weights()."""
+        if self._state is EngineState.ASLEEP:
+            raise EngineStateError(f"{type(self).__name__}.{what} into a sleeping engine (after release()): "
+                                   f"call wake_weights() first, push, then wake()")
 
     @abc.abstractmethod
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:

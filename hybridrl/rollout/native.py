@@ -9,7 +9,9 @@ boolean attention mask (causal AND key-is-real) hides the padding, in the prefil
 Left padding shifts a row's RoPE positions by a constant, which leaves q.k (relative positions) unchanged,
 so a row's tokens and log-probs equal those of the unpadded sequence, and those of a full forward of the
 training model on the finished sequence (checked by the tests). Learned absolute position embeddings get
-per-row positions (cumsum of the mask) through `position_ids`.
+per-row positions (cumsum of the mask) through `position_ids`. Transformer Engine's attention ignores that mask
+(its causal / no_mask kernels): on Megatron's path with TE layers the rows are batched by prompt length instead,
+so no row is padded (`one_length_per_batch`).
 
 Any generation TP: every rank of the generation TP group runs this same loop; logits are gathered over
 the TP group (`runtime_gather_output`), and all ranks sample with one seed, so they draw the same tokens
@@ -44,6 +46,15 @@ _STOP_CHECK_EVERY = {"cuda": 4, "cpu": 1}
 # Decode steps between asking whether a partial rollout is interrupted (new weights arrived); never before the
 # first few tokens, so a generation always makes progress with the weights it started with.
 _INTERRUPT_CHECK_EVERY = 4
+
+
+def honours_attention_mask(gpt: Any) -> bool:
+    """Whether every attention layer applies the engine's padding mask: Megatron's local DotProductAttention does;
+    Transformer Engine's with the causal / no_mask types of its layer spec ignores a user mask (issue 36 item 7)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return all(isinstance(getattr(layer.self_attention, "core_attention", None), DotProductAttention)
+               for layer in gpt.decoder.layers)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -100,6 +111,12 @@ class NativeRolloutEngine(RolloutEngine):
                 self._fast = FastForward(gpt, self.tp_group, self.max_model_len)
             else:
                 logger.info("native engine: Megatron's forward (the lean one does not cover %s)", reason)
+        # Transformer Engine's attention (causal / no_mask) ignores the padding mask: left-padded rows would attend
+        # to their padding, so on Megatron's path with it every batch holds prompts of one length (no padding)
+        self.one_length_per_batch = self._fast is None and not honours_attention_mask(gpt)
+        if self.one_length_per_batch:
+            logger.info("native engine: the attention ignores padding masks (Transformer Engine): prompts are batched "
+                        "by length")
         self.routing = None
         if record_routing:
             self.routing = ExpertRouting.of(gpt)
@@ -194,26 +211,40 @@ class NativeRolloutEngine(RolloutEngine):
         if self.routing is not None:
             self.routing.set_mode("record")
         try:
-            sequences: list[GeneratedSequence] = []
+            sequences: list[GeneratedSequence | None] = [None] * len(rows)
             interrupted = False
-            chunks = self._agree(-(-len(rows) // self.max_batch_size))
-            for start in range(0, chunks * self.max_batch_size, self.max_batch_size):
-                chunk = slice(start, start + self.max_batch_size)
+            batches = self._batches(rows)
+            for i in range(self._agree(len(batches))):
+                if i >= len(batches):  # the other expert-parallel replicas still have rows: run with them
+                    if not interrupted:
+                        _, interrupted = self._generate_chunk([[self.pad_token_id]], params, None, interrupt,
+                                                              placeholder=True)
+                    continue
+                picked = batches[i]
                 if interrupted:
-                    sequences.extend(GeneratedSequence(list(ids), [], [], "interrupted") for ids in rows[chunk])
-                    continue
-                if start >= len(rows):  # the other expert-parallel replicas still have rows: run with them
-                    _, interrupted = self._generate_chunk([[self.pad_token_id]], params, None, interrupt,
-                                                          placeholder=True)
-                    continue
-                done, interrupted = self._generate_chunk(rows[chunk], params,
-                                                         None if uniforms is None else uniforms[chunk], interrupt)
-                sequences.extend(done)
+                    done = [GeneratedSequence(list(rows[r]), [], [], "interrupted") for r in picked]
+                else:
+                    done, interrupted = self._generate_chunk([rows[r] for r in picked], params,
+                                                             None if uniforms is None else uniforms[picked], interrupt)
+                for r, seq in zip(picked, done):
+                    sequences[r] = seq
         finally:
             self.model.train(was_training)
             if self.routing is not None:
                 self.routing.set_mode(None)
         return sequences
+
+    def _batches(self, rows: list[list[int]]) -> list[list[int]]:
+        """Row indices decoded together, at most max_batch_size each: consecutive rows, or with
+        `one_length_per_batch` rows of one prompt length (so no row is padded)."""
+        if not self.one_length_per_batch:
+            return [list(range(start, min(start + self.max_batch_size, len(rows))))
+                    for start in range(0, len(rows), self.max_batch_size)]
+        by_length: dict[int, list[int]] = {}
+        for r, ids in enumerate(rows):
+            by_length.setdefault(len(ids), []).append(r)
+        return [group[start:start + self.max_batch_size] for group in by_length.values()
+                for start in range(0, len(group), self.max_batch_size)]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, offset: int,
                  context) -> torch.Tensor:

@@ -207,10 +207,9 @@ class VllmRolloutEngine(RolloutEngine):
         kwargs = engine_kwargs(settings, model_path, self.dtype, max_model_len, tp, self.on_gpu, load_format, seed,
                                lora_rank)
         # a LoRA actor: the frozen base is the engine's own (loaded once), the adapters come as LoRA requests
-        self.lora_request = None
-        # dummy weights: every generation follows a push (the colocated actor), so sleep may discard them; an engine
-        # that loaded its own (a judge, a rollout pool's first weights, a base serving LoRA adapters) keeps them
-        self.weights_pushed_only = load_format == "dummy"
+        self.serves_adapters, self.lora_request = lora_rank is not None, None
+        # dummy weights: every generation is preceded by a push (the colocated actor), so sleep may discard them
+        self.weights_pushed = load_format == "dummy"
         if self.tp_groups is None:
             if world_size is not None:
                 self._keep_world_if_possible()
@@ -327,11 +326,16 @@ class VllmRolloutEngine(RolloutEngine):
 
     @property
     def discards_weights(self) -> bool:  # type: ignore[override]
-        """On GPU with sleep mode, release() is vLLM's sleep level 2: weights and KV cache discarded (the
-        hybrid engine pushes the weights before every generation anyway; level 1 would copy them to host
-        memory and back every step for nothing). An engine that loaded its own weights (a frozen judge, a base
-        serving LoRA adapters) sleeps at level 1: they wait in host memory."""
-        return self._sleeps and self.weights_pushed_only
+        """On GPU with sleep mode, release() is vLLM's sleep. Level 2 (weights and KV cache discarded) where every
+        generation is preceded by a push anyway (`weights_pushed`: the colocated actor; level 1 would copy the
+        weights to host memory and back every step for nothing). Level 1 (weights to host memory, back at wake)
+        where nothing pushes them again: the engine's own weights from its folder (a judge), or the frozen base a
+        LoRA actor's adapters are served on."""
+        return self._sleeps and self.weights_pushed
+
+    @property
+    def sleep_level(self) -> int:
+        return 2 if self.discards_weights else 1
 
     @property
     def _sleeps(self) -> bool:
@@ -339,9 +343,8 @@ class VllmRolloutEngine(RolloutEngine):
 
     def _sleep(self) -> None:
         if self._sleeps:
-            # level 2: weights and KV cache discarded (vLLM keeps its buffers, rotary, on host); level 1: the
-            # weights to host memory, back at wake
-            self.llm.sleep(level=2 if self.weights_pushed_only else 1)
+            # vLLM keeps its small buffers (rotary tables) on the host either way
+            self.llm.sleep(level=self.sleep_level)
         else:
             self.llm.reset_prefix_cache()
             logger.debug("vLLM release(): sleep mode is off or a no-op on CPU; the prefix cache was reset, the "
@@ -349,7 +352,8 @@ class VllmRolloutEngine(RolloutEngine):
 
     def _wake_weights(self) -> None:
         if self._sleeps:
-            self.llm.wake_up(tags=["weights"])  # memory for the weights (their values come with the push)
+            # level 2: memory for the weights, their values come with the push; level 1: back from host memory
+            self.llm.wake_up(tags=["weights"])
 
     def _wake_cache(self) -> None:
         if self._sleeps:

@@ -67,6 +67,8 @@ class VllmAdapters:
     def _point_at(self, folder: Path) -> None:
         from vllm.lora.request import LoRARequest  # vLLM's import is slow: only with a vLLM engine
 
+        # removing the old adapter writes into its slot, which sleeps with the weights (GPU): wake_weights() first
+        self.engine.check_weights_resident("a LoRA adapter swap")
         self.version += 1
         old = self.engine.lora_request
         self.engine.lora_request = LoRARequest(f"hybridrl-{self.version}", self.version, str(folder))
