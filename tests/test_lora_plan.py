@@ -33,7 +33,7 @@ def test_a_reference_of_another_model_is_still_built(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("ref.lora.rank=4", "ref.lora: the reference policy is frozen"),
-    ("actor.lora.init=/nowhere", "actor.lora.init='/nowhere': is not kaiming, gaussian or a PEFT adapter folder"),
+    ("actor.lora.init=/nowhere", "actor.lora.init='/nowhere': is not kaiming, gaussian, a PEFT adapter folder"),
     ("actor.lora.target_modules=[qkv,attn]", "actor.lora.target_modules=['qkv', 'attn']: names a module LoRA"),
     ("actor.lora.dropout=1.0", "actor.lora.dropout=1.0: must be in [0, 1)"),
     ("actor.lora.generation=forward", "actor.lora.generation=forward generates with the training model's own"),
