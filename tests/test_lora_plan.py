@@ -23,6 +23,24 @@ def test_a_lora_actor_is_its_own_reference():
     assert "ref" in full.roles and not full.step.reference_from_actor
 
 
+def test_every_algorithm_and_run_kind_plans_with_lora():
+    """Every registered algorithm, and the async / multi-turn / agent runs, take a LoRA actor (and critics): planned
+    before anything starts, the reference (where the step needs one) from the actor's base, no reference model.
+    (tests/test_lora_train.py trains GRPO, ReMax multi-turn, GSPO asynchronously and PPO with a LoRA critic.)"""
+    from hybridrl.algorithms.registry import ALGORITHMS
+
+    for name in sorted(ALGORITHMS.keys()):
+        config = f"{name}_tiny" if (CONFIG_DIR / f"{name}_tiny.yaml").is_file() else None
+        plan = plan_run(load_config(config, [f"algorithm.name={name}", "actor.lora.rank=4", "critic.lora.rank=4"]))
+        assert plan.lora["actor"].rank == 4 and "ref" not in plan.roles, name
+        assert plan.step.reference_from_actor == plan.step.reference, name
+        critics = {"critic", "cost_critic"} & set(plan.roles)
+        assert not critics or "critic" in plan.lora, name  # the cost critic is built from critic.* too
+    for config in ("remax_async_tiny", "grpo_multiturn_tiny", "grpo_agent_tiny"):
+        plan = plan_run(load_config(config, ["actor.lora.rank=4"]))
+        assert plan.step.reference_from_actor and "ref" not in plan.roles, config
+
+
 def test_a_reference_of_another_model_is_still_built(tmp_path):
     from hybridrl.models.tiny import create_tiny_model
 

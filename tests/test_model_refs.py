@@ -179,8 +179,10 @@ def test_submit_pins_hub_revisions_and_checks_the_nodes_see_the_files(hub, tmp_p
     assert rc == 0, err
     assert f"actor.model.path={REPO}@{commit_of(REPO)}" in script  # a requeued job reads the same commit
     assert f"reward_model.model={LORA_REPO}@{commit_of(LORA_REPO)}" in script
-    rc, script, err = _submit(capsys, "--dry-run", "--model-files", "staged", f"actor.lora.init={INIT_REPO}")
+    rc, script, err = _submit(capsys, "--dry-run", "--model-files", "staged", f"actor.lora.init={INIT_REPO}",
+                              f"algorithm.distill.teacher={REPO}")
     assert rc == 0 and f"actor.lora.init={INIT_REPO}@{commit_of(INIT_REPO)}" in script, err  # starting adapters
+    assert f"algorithm.distill.teacher={REPO}@{commit_of(REPO)}" in script  # a distillation teacher
     assert f"export HF_HUB_CACHE={cache}" in script and "export HF_HUB_OFFLINE=1" in script
     # shared (the default): the cache is on this machine's own disk here, which other nodes do not see
     from hybridrl.launch.model_files import node_local_filesystem

@@ -26,7 +26,8 @@ from hybridrl.config import LORA_INITS
 logger = logging.getLogger(__name__)
 
 # config options that name a model (or a tokenizer, resolved the same way)
-MODEL_OPTIONS = ("actor.model.path", "ref.model.path", "critic.model.path", "reward_model.model", "cost_model.model")
+MODEL_OPTIONS = ("actor.model.path", "ref.model.path", "critic.model.path", "reward_model.model", "cost_model.model",
+                 "algorithm.distill.teacher")
 TOKENIZER_OPTIONS = ("reward_model.tokenizer", "cost_model.tokenizer")
 # starting adapters: a PEFT adapter folder or hub id (else kaiming / gaussian); their base is the role's model
 LORA_INIT_OPTIONS = ("actor.lora.init", "critic.lora.init")
