@@ -114,3 +114,24 @@ def test_the_gpu_recipe_plans_once_its_placeholders_are_set(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(8)))
     plan = plan_run(load_config(RECIPE, [f"actor.model.path={policy}", f"data.train_files=[{data}]"]))
     assert plan.step.reference_from_actor and set(plan.roles) == {"actor"}
+
+
+def test_vllm_serves_adapters_itself_only_where_it_can(tmp_path):
+    """rollout.engine=vllm: the engine takes the adapters as its own LoRA adapter unless the output layer or experts
+    are adapted, the rank is above vLLM's largest, or the base is itself a PEFT folder; then W + BA is pushed in place
+    as for full fine-tuning."""
+    from hybridrl.config import LoraConfig
+    from hybridrl.models.peft import model_config
+    from hybridrl.models.tiny import default_model_dir, resolve_model_path
+    from hybridrl.rollout.vllm_lora import vllm_adapter_support, vllm_lora_rank
+
+    dense, moe = str(default_model_dir()), resolve_model_path("tiny:qwen3_moe")
+    dense_hf, moe_hf = model_config(dense), model_config(moe)
+    assert vllm_adapter_support(LoraConfig(rank=16, target_modules=["all"]), dense, dense_hf) is None
+    assert "lm_head" in vllm_adapter_support(LoraConfig(rank=16, target_modules=["all", "lm_head"]), dense, dense_hf)
+    assert "above vLLM's 512" in vllm_adapter_support(LoraConfig(rank=1024), dense, dense_hf)
+    assert vllm_adapter_support(LoraConfig(rank=8, target_modules=["qkv", "proj"]), moe, moe_hf) is None
+    assert "experts" in vllm_adapter_support(LoraConfig(rank=8, target_modules=["fc1"]), moe, moe_hf)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": dense}))
+    assert "PEFT adapter folder" in vllm_adapter_support(LoraConfig(rank=8), str(tmp_path), dense_hf)
+    assert [vllm_lora_rank(r) for r in (1, 4, 16, 17, 300)] == [1, 8, 16, 32, 320]
