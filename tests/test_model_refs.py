@@ -213,6 +213,16 @@ def test_node_local_filesystems_are_told_from_shared_ones(tmp_path):
     assert node_local_filesystem("/dev/shm/x", str(mounts)) == "tmpfs at /dev/shm"
 
 
+def test_cluster_check_names_the_model_folders_a_node_lacks(models, tmp_path):
+    """`python -m hybridrl.launch.cluster_check --models ...` (--model-files staged): each node reports the folders
+    it lacks (a model has config.json, an adapter adapter_config.json)."""
+    from hybridrl.launch.cluster_check import missing_model_folders
+
+    (tmp_path / "empty").mkdir()
+    folders = [str(models["llama"]), str(models["lora"]), str(tmp_path / "empty"), str(tmp_path / "nowhere")]
+    assert missing_model_folders(folders) == folders[2:]
+
+
 # ---- roles without a pool, parallel_config= ----------------------------------------------------------------
 def test_default_pool_size(monkeypatch):
     import torch
