@@ -129,6 +129,9 @@ def test_plan_places_fully_sharded_roles():
       "resources.devices=2"], "rollout.pool='gen' with actor.parallel.fsdp=full_shard"),
     (["actor.model.path=tiny:qwen3_moe", "actor.parallel.fsdp=full_shard", "actor.parallel.sequence_parallel=true"],
      "mixture-of-experts model"),
+    (["actor.parallel.fsdp=full_shard", "actor.lora.rank=4"], "actor.lora with actor.parallel.fsdp=full_shard"),
+    (["actor.parallel.fsdp=shard_grad_op", "actor.offload.optimizer=true"],
+     r"actor.offload \(grads / optimizer\) with actor.parallel.fsdp=shard_grad_op"),
 ])
 def test_fully_sharded_combinations_refused_in_one_line(overrides, message):
     from hybridrl.config import ConfigError
@@ -151,6 +154,16 @@ def test_short_api_layout_and_refusals():
         ParallelLayout(dp=4, ep=2, fsdp="full_shard")
     with pytest.raises(ValueError, match="rollout.reshard=hybridflow_v"):
         check_generation(RolloutConfig(reshard="hybridflow_v"), held[1])
+    # the short API refuses what the plan refuses, before Ray starts
+    import ray
+
+    import hybridrl
+
+    with pytest.raises(ValueError, match="actor.lora with actor.parallel.fsdp=full_shard"):
+        hybridrl.Actor(parallel_config={"fsdp": "full_shard"}, lora={"rank": 4})
+    with pytest.raises(ValueError, match=r"critic.offload \(grads / optimizer\) with critic.parallel.fsdp=shard_grad_op"):
+        hybridrl.Critic(parallel={"fsdp": "shard_grad_op"}, offload={"grads": True})
+    assert not ray.is_initialized()
 
 
 def test_plan_accounts_the_dp_shard_dimension(capsys):

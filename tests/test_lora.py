@@ -3,7 +3,9 @@
 - one adapter update equals transformers + peft's, at every layout;
 - a PEFT adapter folder stands where a model does, merged into its base at load at TP=2 x PP=2: a LoRA causal LM's
   log-probs and a LoRA reward model's scores (its trained score head from modules_to_save) equal peft's (1e-4);
-- `hybridrl convert --from peft --to hf --merge-lora` writes a model with peft's logits.
+- `hybridrl convert --from peft --to hf --merge-lora` writes a model with peft's logits;
+- adapters on a mixture-of-experts model's experts (expert parallel 2) give the log-probs transformers gives with
+  W + BA written into every adapted tensor.
 
 One pool for the module. The initial adapters are a peft adapter folder (A kaiming, B random so
 both factors get gradients) loaded as lora.init; one policy-gradient step with SGD (the change of each factor is lr x its
@@ -12,6 +14,8 @@ same batch (relative 1e-5; lr 1000 so the step dwarfs the factors' rounding); th
 log-probs with the adapters off equal the base model's, and the merged weights give the adapters' logits.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,9 +142,40 @@ def _peft_folders_as_models(lm_adapter: str, rm_adapter: str, data) -> dict:
     return {"log_probs": log_probs, "scores": rm.forward(data, last_token_score)}
 
 
-def _suite(base: str, adapter_dir: str, data, lm_adapter: str, rm_adapter: str) -> dict:
+def _moe_adapters(moe_dir: str, folder: str, data) -> dict:
+    """Adapters on every linear of a Qwen3-MoE model (its experts' included) at expert parallel 2 (TP=1, DP=4):
+    rank 0 writes the adapters with random B as a PEFT folder (whole factors by HF module), every rank loads them
+    as lora.init into its own experts, and the response log-probs come back."""
+    import torch.distributed as dist
+
+    from hybridrl.config import LoraConfig, OptimConfig
+    from hybridrl.models.lora_io import gather_adapter_factors
+    from hybridrl.models.peft import write_peft_adapter
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.workers.megatron_model import MegatronModel
+    from hybridrl.workers.policy import response_log_probs as megatron_log_probs
+
+    initialize_model_parallel(ParallelLayout(tp=1, dp=4, ep=2))
+    optim = OptimConfig(optimizer="sgd", lr=1.0, use_distributed_optimizer=False)
+    first = MegatronModel(moe_dir, optim=optim, lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all"]))
+    gathered = gather_adapter_factors(first.model)
+    factors = None
+    if dist.get_rank() == 0:
+        g = torch.Generator().manual_seed(21)
+        factors = {m: (a, torch.randn(b.shape, generator=g) * 0.05) for m, (a, b) in sorted(gathered[0].items())}
+        write_peft_adapter(folder, factors, rank=RANK, alpha=ALPHA, base=moe_dir)
+    dist.barrier()
+    model = MegatronModel(moe_dir, optim=optim, lora=LoraConfig(init=folder))
+    log_probs = model.forward(data, lambda mb, out: megatron_log_probs(mb, out, model.vocab_size, model.tp_group)[0],
+                              {"response_mask": data["response_mask"]})
+    return {"log_probs": log_probs, "factors": factors}
+
+
+def _suite(base: str, adapter_dir: str, data, lm_adapter: str, rm_adapter: str, moe: tuple[str, str]) -> dict:
     out = {str(kw): _one_update(kw, base, adapter_dir, data) for kw in LAYOUTS}
     out["peft_models"] = _peft_folders_as_models(lm_adapter, rm_adapter, data)
+    out["moe"] = _moe_adapters(*moe, data)
     return out
 
 
@@ -154,9 +189,21 @@ def peft_models(peft_adapter, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def updates(dist_pool, peft_adapter, peft_models):
+def moe_model(tmp_path_factory):
+    """A tiny Qwen3-MoE (4 experts, top-2; layer 1 dense) over the test's 64-token vocabulary, and where its
+    adapters go."""
+    from hybridrl.models.tiny import create_tiny_model
+
+    root = tmp_path_factory.mktemp("lora_moe")
+    folder = create_tiny_model(root / "qwen3_moe", "qwen3_moe", vocab_size=64, hidden=64, layers=2, heads=4,
+                               kv_heads=2, seed=0, experts=4, topk=2, expert_ffn_hidden=64, dense_layers=(1,))
+    return str(folder), str(root / "adapters")
+
+
+@pytest.fixture(scope="module")
+def updates(dist_pool, peft_adapter, peft_models, moe_model):
     base, adapter_dir = peft_adapter
-    return dist_pool(4).run(_suite, base, adapter_dir, _rollouts(), *peft_models, timeout_s=400)
+    return dist_pool(4).run(_suite, base, adapter_dir, _rollouts(), *peft_models, moe_model, timeout_s=400)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda kw: "tp{tp}-pp{pp}-dp{dp}".format(**kw) +
@@ -194,6 +241,39 @@ def test_peft_adapter_folders_stand_where_models_do(updates, peft_adapter, peft_
         for row in range(len(data)):
             sequence = ids[row][data["attention_mask"][row].bool()].unsqueeze(0)
             assert abs(got["scores"][row].item() - reference(input_ids=sequence).logits[0, 0].item()) <= 1e-4, row
+
+
+def test_adapters_on_experts_equal_merged_weights_in_transformers(updates, moe_model, tmp_path):
+    """Experts' adapters at expert parallel 2: the log-probs equal transformers' on the checkpoint with
+    W + (alpha / r) B A written into each adapted tensor (dense and expert projections alike, by HF name)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    moe_dir, _ = moe_model
+    got = updates[0]["moe"]
+    factors = got["factors"]
+    experts = [m for m in factors if ".experts." in m]
+    assert len(experts) == 4 * 3 and len(factors) == 2 * 4 + 3 + len(experts)  # 1 MoE layer: 4 experts x 3
+    weights = {}
+    for f in sorted(Path(moe_dir).glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    for module, (a, b) in factors.items():
+        weights[f"{module}.weight"] = weights[f"{module}.weight"] + (ALPHA / RANK) * b @ a
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    shutil.copy(Path(moe_dir) / "config.json", merged / "config.json")
+    save_file(weights, str(merged / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((merged / "config.json").read_text())["model_type"] == "qwen3_moe"
+    model = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+    data = _rollouts()
+    expected = response_log_probs(model, data)
+    for rank_result in updates:  # every expert-parallel rank computed the same batch
+        assert (rank_result["moe"]["log_probs"] * data["response_mask"] - expected).abs().max() <= 1e-4
+    base = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    assert (response_log_probs(base, data) - expected).abs().max() > 1e-3  # the adapters change the model
 
 
 def test_convert_merges_a_peft_adapter_into_a_hugging_face_model(peft_adapter, peft_models, tmp_path, capsys):

@@ -23,6 +23,24 @@ def test_a_lora_actor_is_its_own_reference():
     assert "ref" in full.roles and not full.step.reference_from_actor
 
 
+def test_every_algorithm_and_run_kind_plans_with_lora():
+    """Every registered algorithm, and the async / multi-turn / agent runs, take a LoRA actor (and critics): planned
+    before anything starts, the reference (where the step needs one) from the actor's base, no reference model.
+    (tests/test_lora_train.py trains GRPO, ReMax multi-turn, GSPO asynchronously and PPO with a LoRA critic.)"""
+    from hybridrl.algorithms.registry import ALGORITHMS
+
+    for name in sorted(ALGORITHMS.keys()):
+        config = f"{name}_tiny" if (CONFIG_DIR / f"{name}_tiny.yaml").is_file() else None
+        plan = plan_run(load_config(config, [f"algorithm.name={name}", "actor.lora.rank=4", "critic.lora.rank=4"]))
+        assert plan.lora["actor"].rank == 4 and "ref" not in plan.roles, name
+        assert plan.step.reference_from_actor == plan.step.reference, name
+        critics = {"critic", "cost_critic"} & set(plan.roles)
+        assert not critics or "critic" in plan.lora, name  # the cost critic is built from critic.* too
+    for config in ("remax_async_tiny", "grpo_multiturn_tiny", "grpo_agent_tiny"):
+        plan = plan_run(load_config(config, ["actor.lora.rank=4"]))
+        assert plan.step.reference_from_actor and "ref" not in plan.roles, config
+
+
 def test_a_reference_of_another_model_is_still_built(tmp_path):
     from hybridrl.models.tiny import create_tiny_model
 
@@ -33,7 +51,7 @@ def test_a_reference_of_another_model_is_still_built(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("ref.lora.rank=4", "ref.lora: the reference policy is frozen"),
-    ("actor.lora.init=/nowhere", "actor.lora.init='/nowhere': is not kaiming, gaussian or a PEFT adapter folder"),
+    ("actor.lora.init=/nowhere", "actor.lora.init='/nowhere': is not kaiming, gaussian, a PEFT adapter folder"),
     ("actor.lora.target_modules=[qkv,attn]", "actor.lora.target_modules=['qkv', 'attn']: names a module LoRA"),
     ("actor.lora.dropout=1.0", "actor.lora.dropout=1.0: must be in [0, 1)"),
     ("actor.lora.generation=forward", "actor.lora.generation=forward generates with the training model's own"),
@@ -96,3 +114,24 @@ def test_the_gpu_recipe_plans_once_its_placeholders_are_set(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(8)))
     plan = plan_run(load_config(RECIPE, [f"actor.model.path={policy}", f"data.train_files=[{data}]"]))
     assert plan.step.reference_from_actor and set(plan.roles) == {"actor"}
+
+
+def test_vllm_serves_adapters_itself_only_where_it_can(tmp_path):
+    """rollout.engine=vllm: the engine takes the adapters as its own LoRA adapter unless the output layer or experts
+    are adapted, the rank is above vLLM's largest, or the base is itself a PEFT folder; then W + BA is pushed in place
+    as for full fine-tuning."""
+    from hybridrl.config import LoraConfig
+    from hybridrl.models.peft import model_config
+    from hybridrl.models.tiny import default_model_dir, resolve_model_path
+    from hybridrl.rollout.vllm_lora import vllm_adapter_support, vllm_lora_rank
+
+    dense, moe = str(default_model_dir()), resolve_model_path("tiny:qwen3_moe")
+    dense_hf, moe_hf = model_config(dense), model_config(moe)
+    assert vllm_adapter_support(LoraConfig(rank=16, target_modules=["all"]), dense, dense_hf) is None
+    assert "lm_head" in vllm_adapter_support(LoraConfig(rank=16, target_modules=["all", "lm_head"]), dense, dense_hf)
+    assert "above vLLM's 512" in vllm_adapter_support(LoraConfig(rank=1024), dense, dense_hf)
+    assert vllm_adapter_support(LoraConfig(rank=8, target_modules=["qkv", "proj"]), moe, moe_hf) is None
+    assert "experts" in vllm_adapter_support(LoraConfig(rank=8, target_modules=["fc1"]), moe, moe_hf)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": dense}))
+    assert "PEFT adapter folder" in vllm_adapter_support(LoraConfig(rank=8), str(tmp_path), dense_hf)
+    assert [vllm_lora_rank(r) for r in (1, 4, 16, 17, 300)] == [1, 8, 16, 32, 320]

@@ -3,21 +3,25 @@
 - configs/grpo_lora_tiny.yaml learns the bundled task (its header has the measured 30-step curve; 12 steps here),
   with no reference model started: the reference log-probs are the actor's own with the adapters off;
 - every kind of run that updates an actor takes LoRA: ReMax (greedy baseline) over multi-turn episodes, PPO with a
-  LoRA critic (its value head trained beside the adapters), one-step-off generation on a pool of its own; two steps
-  each, finite and moving;
+  LoRA critic (its value head trained beside the adapters), GSPO with generation on a pool of its own two batches
+  ahead (async); two steps each, finite and moving (tests/test_lora_plan.py plans every registered algorithm);
 - a PPO run with LoRA actor and critic checkpoints adapters only (PEFT folders, the critic's with its value head),
   resumes exactly (step 3 after a resume from step 2 equals the uninterrupted run's), and its actor's adapters
-  convert to a PEFT folder (`hybridrl convert --from ckpt --to peft`).
+  convert to a PEFT folder (`hybridrl convert --from ckpt --to peft`) and to a merged model (`--to hf --merge-lora`)
+  whose logits equal peft + transformers' on that folder.
 """
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from hybridrl.config import load_config
 from hybridrl.trainer.loop import RLTrainer
 from hybridrl.trainer.plan import plan_run
+from lora_helpers import peft_model
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +56,11 @@ CASES = {
     # ReMax's greedy baseline inside the same transition, over multi-turn episodes (several generate calls)
     "remax_multiturn": ["algorithm.name=remax", "rollout.env=charset_turns", "rollout.max_turns=2",
                         "actor.parallel.tp=2", "rollout.tp=1"],
-    "one_step_off": ["algorithm.name=grpo", "rollout.n=2", "resources.devices=1", "resources.pools.gen=1",
-                     "rollout.pool=gen", "trainer.mode=one_step_off"],
+    # generation on a pool of its own two batches ahead (async; one_step_off is the same queue one ahead), GSPO's
+    # sequence-level ratio over 2 epochs x 2 mini-batches (an old-log-prob pass with the adapters on)
+    "async_gspo": ["algorithm.name=gspo", "rollout.n=2", "resources.devices=1", "resources.pools.gen=1",
+                   "rollout.pool=gen", "trainer.mode=async", "algorithm.max_staleness=2", "algorithm.ppo_epochs=2",
+                   "algorithm.mini_batch_size=4"],
 }
 
 
@@ -101,3 +108,13 @@ def test_ppo_with_lora_actor_and_critic_checkpoints_adapters_and_resumes_exactly
     assert read_peft_adapter(tmp_path / "peft").rank == 4
     assert main(["convert", "--from", "ckpt", "--to", "hf", str(step2), str(tmp_path / "hf")]) == 2
     assert "--merge-lora" in capsys.readouterr().err
+    # the merged export of the run's policy reads as peft + transformers read the exported adapters
+    assert main(["convert", "--from", "ckpt", "--to", "hf", "--merge-lora", str(step2), str(tmp_path / "hf")]) == 0
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    adapters = peft_model(read_peft_adapter(tmp_path / "peft").base, str(tmp_path / "peft"))
+    with torch.no_grad():
+        want, got = adapters(input_ids=ids).logits, merged(input_ids=ids).logits
+        with adapters.disable_adapter():
+            base = adapters(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-4 and (want - base).abs().max() > 1e-4  # the trained adapters count

@@ -9,6 +9,7 @@ HF_HUB_OFFLINE=1, so nothing waits on a network timeout. Nothing in this module 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hub_cache import commit_of, offline_hub, put_in_hub_cache
@@ -22,6 +23,7 @@ from hybridrl.models.peft import tokenizer_folder
 from hybridrl.models.tiny import create_tiny_model, default_model_dir
 
 REPO, RM_REPO, LORA_REPO = "acme/tiny-llama", "acme/tiny-rm", "acme/tiny-rm-lora"
+INIT_REPO = "acme/tiny-llama-adapters"  # starting adapters (lora.init) over the bundled tiny Llama
 OLD = commit_of(REPO, "old")
 
 
@@ -40,7 +42,10 @@ def models(tmp_path_factory):
     lora = root / "lora"  # a PEFT adapter's config, naming its base by hub id (no tokenizer of its own)
     lora.mkdir()
     (lora / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": REPO}))
-    return {"llama": llama, "old": old, "rm": rm, "lora": lora}
+    from lora_helpers import make_peft_adapter
+
+    init = make_peft_adapter(str(default_model_dir()), root / "init", rank=4, alpha=8, targets=["q_proj", "v_proj"])
+    return {"llama": llama, "old": old, "rm": rm, "lora": lora, "init": init}
 
 
 @pytest.fixture
@@ -50,6 +55,7 @@ def hub(tmp_path, monkeypatch, models):
     snapshots = {REPO: put_in_hub_cache(cache, REPO, models["llama"]),
                  RM_REPO: put_in_hub_cache(cache, RM_REPO, models["rm"]),
                  LORA_REPO: put_in_hub_cache(cache, LORA_REPO, models["lora"]),
+                 INIT_REPO: put_in_hub_cache(cache, INIT_REPO, Path(models["init"])),
                  OLD: put_in_hub_cache(cache, REPO, models["old"], commit=OLD, main=False)}
     offline_hub(monkeypatch, cache)
     return cache, snapshots
@@ -120,6 +126,26 @@ def test_train_plans_hub_ids_and_refuses_an_unknown_one_before_ray(hub, capsys):
     assert not _ray_running()
 
 
+def test_starting_adapters_may_be_a_hub_id(hub):
+    """lora.init names a PEFT adapter by hub id: resolved on the driver (plan and short API alike) to the cached
+    folder the workers load; an unknown id is one line naming the option."""
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.roles.base import checked_lora
+    from hybridrl.trainer.plan import plan_run
+
+    _, snapshots = hub
+    plan = plan_run(load_config("grpo_lora_tiny", [f"actor.lora.init={INIT_REPO}", "actor.lora.rank=0",
+                                                   "actor.lora.alpha=null", "actor.lora.target_modules=null"]))
+    lora = plan.lora["actor"]
+    assert (lora.init, lora.rank, lora.alpha, lora.target_modules) == (str(snapshots[INIT_REPO]), 4, 8.0,
+                                                                        ["q_proj", "v_proj"])
+    assert checked_lora({"init": INIT_REPO}, "Actor(lora=...)").init == str(snapshots[INIT_REPO])
+    with pytest.raises(ConfigError) as missing:
+        plan_run(load_config("grpo_lora_tiny", ["actor.lora.init=acme/missing-adapters"]))
+    assert "\n" not in str(missing.value) and "actor.lora.init='acme/missing-adapters'" in str(missing.value)
+    assert not _ray_running()
+
+
 def test_plan_and_convert_take_hub_ids(hub, tmp_path, capsys):
     from test_plan_cli import _plan
 
@@ -153,6 +179,10 @@ def test_submit_pins_hub_revisions_and_checks_the_nodes_see_the_files(hub, tmp_p
     assert rc == 0, err
     assert f"actor.model.path={REPO}@{commit_of(REPO)}" in script  # a requeued job reads the same commit
     assert f"reward_model.model={LORA_REPO}@{commit_of(LORA_REPO)}" in script
+    rc, script, err = _submit(capsys, "--dry-run", "--model-files", "staged", f"actor.lora.init={INIT_REPO}",
+                              f"algorithm.distill.teacher={REPO}")
+    assert rc == 0 and f"actor.lora.init={INIT_REPO}@{commit_of(INIT_REPO)}" in script, err  # starting adapters
+    assert f"algorithm.distill.teacher={REPO}@{commit_of(REPO)}" in script  # a distillation teacher
     assert f"export HF_HUB_CACHE={cache}" in script and "export HF_HUB_OFFLINE=1" in script
     # shared (the default): the cache is on this machine's own disk here, which other nodes do not see
     from hybridrl.launch.model_files import node_local_filesystem
@@ -181,6 +211,16 @@ def test_node_local_filesystems_are_told_from_shared_ones(tmp_path):
     assert node_local_filesystem("/lus/x", str(mounts)) is None
     assert node_local_filesystem("/sharedness/x", str(mounts)) == "ext4 at /"
     assert node_local_filesystem("/dev/shm/x", str(mounts)) == "tmpfs at /dev/shm"
+
+
+def test_cluster_check_names_the_model_folders_a_node_lacks(models, tmp_path):
+    """`python -m hybridrl.launch.cluster_check --models ...` (--model-files staged): each node reports the folders
+    it lacks (a model has config.json, an adapter adapter_config.json)."""
+    from hybridrl.launch.cluster_check import missing_model_folders
+
+    (tmp_path / "empty").mkdir()
+    folders = [str(models["llama"]), str(models["lora"]), str(tmp_path / "empty"), str(tmp_path / "nowhere")]
+    assert missing_model_folders(folders) == folders[2:]
 
 
 # ---- roles without a pool, parallel_config= ----------------------------------------------------------------
@@ -215,4 +255,6 @@ def test_parallel_config_is_parallel_and_is_checked_before_ray(hub):
         hybridrl.ReferencePolicy(model=REPO, parallel_config={"tq": 2})
     with pytest.raises(ModelReferenceError, match="RewardModel"):
         hybridrl.RewardModel(model="acme/missing", parallel_config={"tp": 1})
+    with pytest.raises(ModelReferenceError, match=r"Judge\(model=...\)='acme/missing'"):
+        hybridrl.Judge(model="acme/missing", template="{prompt}{response}")
     assert not _ray_running()

@@ -21,11 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl.config import LORA_INITS
+
 logger = logging.getLogger(__name__)
 
 # config options that name a model (or a tokenizer, resolved the same way)
-MODEL_OPTIONS = ("actor.model.path", "ref.model.path", "critic.model.path", "reward_model.model", "cost_model.model")
+MODEL_OPTIONS = ("actor.model.path", "ref.model.path", "critic.model.path", "reward_model.model", "cost_model.model",
+                 "algorithm.distill.teacher")
 TOKENIZER_OPTIONS = ("reward_model.tokenizer", "cost_model.tokenizer")
+# starting adapters: a PEFT adapter folder or hub id (else kaiming / gaussian); their base is the role's model
+LORA_INIT_OPTIONS = ("actor.lora.init", "critic.lora.init")
 # filesystems that live on one machine: another node never sees their files
 LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "ramfs", "overlay",
                                "vfat", "exfat", "squashfs"})
@@ -83,7 +88,8 @@ def prepare_model_files(cfg: Any, mode: str = "shared", download: bool = True) -
         raise ModelFilesError(f"--model-files {mode!r}: choose one of {list(MODEL_FILES_MODES)}")
     files = ModelFiles()
     wanted = [(o, _select(cfg, o), resolve_model) for o in MODEL_OPTIONS] + \
-        [(o, _select(cfg, o), resolve_reference) for o in TOKENIZER_OPTIONS]
+        [(o, _select(cfg, o), resolve_reference) for o in TOKENIZER_OPTIONS] + \
+        [(o, _select(cfg, o), resolve_model) for o in LORA_INIT_OPTIONS if _select(cfg, o) not in LORA_INITS]
     for option, ref, resolve in wanted:
         if ref is None and option != "actor.model.path":  # unset: the actor's model, or no such model
             continue
@@ -94,7 +100,7 @@ def prepare_model_files(cfg: Any, mode: str = "shared", download: bool = True) -
         commit = snapshot_revision(folder) if is_hub_reference(ref) else None
         if commit:
             files.overrides.append(f"{option}={parse_hub_id(ref)[0]}@{commit}")
-        base = adapter_base(folder)
+        base = adapter_base(folder) if option not in LORA_INIT_OPTIONS else None
         if base is not None:  # a PEFT adapter: the job reads its base model too
             base_folder = _resolve_or_note(files, resolve_model, base, f"{option} (adapter base)", download)
             if base_folder is not None:

@@ -20,6 +20,7 @@ import torch
 from hybridrl.models.builder import global_param_name, unwrap
 from hybridrl.models.config import CheckpointError
 from hybridrl.models.families import expert_number
+from hybridrl.models.hub import ModelReferenceError, resolve_model
 from hybridrl.config import LORA_INITS, LoraConfig
 from hybridrl.models.lora import LoraAdapter, adapters_of, attach_lora, lora_linears, resolve_targets
 from hybridrl.models.peft import PeftAdapter, read_peft_adapter, write_peft_adapter
@@ -158,15 +159,19 @@ PROJECTION_OF_PART = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"
 
 def resolve_lora_config(cfg: LoraConfig) -> LoraConfig:
     """The settings a worker builds with: rank, alpha and targets filled in (from lora.init when it is a PEFT
-    adapter folder, which must agree with any given). ValueError names the option."""
+    adapter folder or hub id, which must agree with any given; init becomes the local folder, so workers never
+    touch the hub). ValueError names the option."""
     if cfg.init in LORA_INITS:
         resolve_targets(cfg.target_modules)
         if cfg.rank < 0:
             raise ValueError(f"lora.rank={cfg.rank} must be >= 0 (0: LoRA off)")
         return replace(cfg, alpha=float(cfg.alpha if cfg.alpha is not None else cfg.rank),
                        target_modules=list(cfg.target_modules or ["all"]))
-    try:
-        source = read_peft_adapter(cfg.init)
+    try:  # a folder or a hub id org/name[@revision] (fetched into the HF cache here, on the driver)
+        folder = resolve_model(cfg.init, "lora.init")
+        source = read_peft_adapter(folder)
+    except ModelReferenceError as exc:
+        raise ValueError(str(exc)) from None
     except CheckpointError as exc:
         raise ValueError(f"lora.init={cfg.init!r}: {exc}") from None
     if cfg.rank not in (0, source.rank):
@@ -181,7 +186,7 @@ def resolve_lora_config(cfg: LoraConfig) -> LoraConfig:
     if cfg.target_modules is not None and resolve_targets(cfg.target_modules) != source.parts:
         raise ValueError(f"lora.target_modules={list(cfg.target_modules)} but the adapter in lora.init adapts "
                          f"{targets}: leave it unset or match it")
-    return replace(cfg, rank=source.rank, alpha=source.alpha, target_modules=targets)
+    return replace(cfg, rank=source.rank, alpha=source.alpha, target_modules=targets, init=str(folder))
 
 
 def load_adapter_folder(model: Any, folder: str | Path) -> None:

@@ -25,6 +25,7 @@ from hybridrl.rollout.types import Rollout, as_sequences, merge_replicas, policy
 from hybridrl.workers.actor import ActorWorker
 from hybridrl.workers.offload import check_offload
 from hybridrl.workers.policy import PolicyLossConfig
+from hybridrl.workers.sharding import check_sharding
 
 
 class Actor(Role):
@@ -61,6 +62,7 @@ class Actor(Role):
                               optim=as_section(OptimConfig, optim, "Actor(optim=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                               offload=as_section(OffloadConfig, offload, "Actor(offload=...)"))
+        check_sharding(role, getattr(parallel, "fsdp", "no_shard"), settings.lora, settings.offload)  # before Ray
         if rollout is None or isinstance(rollout, dict):  # the short API's engine unless named: native (the
             rollout = {"engine": "native", **(rollout or {})}  # trainer resolves auto)
         self._start(settings, as_section(RolloutConfig, rollout, "Actor(rollout=...)"),

@@ -13,6 +13,7 @@ from hybridrl.roles.base import (DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, avera
                                  parallel_argument)
 from hybridrl.rollout.types import SEQUENCE_KEYS, as_sequences
 from hybridrl.workers.offload import check_offload
+from hybridrl.workers.sharding import check_sharding
 from hybridrl.workers.value import CriticWorker
 
 
@@ -36,6 +37,7 @@ class Critic(Role):
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                               offload=as_section(OffloadConfig, offload, "Critic(offload=...)"))
         check_offload(settings.offload, "critic")
+        check_sharding(role, getattr(parallel, "fsdp", "no_shard"), settings.lora, settings.offload)  # before Ray
         super().__init__(CriticWorker, role, resource_pool, parallel, {"role": settings, "seed": seed}, seed,
                          call_timeout_s)
 

@@ -22,7 +22,7 @@ from hybridrl.config import (JudgeGenerationConfig, ParallelConfig, RolloutConfi
 from hybridrl.controller import ResourcePool
 from hybridrl.data.verdicts import JudgeTemplate, choice_values, scaled, verdict_parser
 from hybridrl.models import load_hf_config
-from hybridrl.models.tiny import resolve_model_path
+from hybridrl.models.hub import resolve_model
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, layout_on, start_pool
@@ -86,7 +86,7 @@ class Judge(Role):
         generation = as_section(JudgeGenerationConfig, generation, "Judge(generation=...)")
         if generation.engine == "auto":
             generation = dataclasses.replace(generation, engine="native")
-        scorer = ScoreModelConfig(kind="generative", model=resolve_model_path(model), dtype=dtype,
+        scorer = ScoreModelConfig(kind="generative", model=resolve_model(model, "Judge(model=...)"), dtype=dtype,
                                   micro_batch_size=micro_batch_size,
                                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, tokenizer=tokenizer,
                                   chat_template=chat_template, template=template,

@@ -17,7 +17,7 @@ from hybridrl.algorithms.losses import KL_ESTIMATORS
 from hybridrl.config import ConfigError
 from hybridrl.data.verdicts import verdict_parser
 from hybridrl.envs.sandbox import SANDBOXES
-from hybridrl.models.hub import parse_hub_id
+from hybridrl.models.hub import is_hub_reference, parse_hub_id
 from hybridrl.models.lora import TARGET_NAMES
 from hybridrl.models.tiny import TINY_PREFIX
 from hybridrl.parallel.layout import FSDP_MODES
@@ -217,8 +217,9 @@ RULES += [
     (("{m}.lora.target_modules",), lambda v: v is None or (len(v) > 0 and all(n in TARGET_NAMES for n in v)),
      "names a module LoRA does not adapt", "qkv, proj, fc1, fc2, all, output, or q_proj ... down_proj, lm_head"),
     (("{m}.lora.init",), lambda v: v in ("kaiming", "gaussian") or (Path(str(v)).expanduser() /
-                                                                   "adapter_config.json").is_file(),
-     "is not kaiming, gaussian or a PEFT adapter folder (adapter_config.json)", "kaiming"),
+                                                                   "adapter_config.json").is_file()
+     or is_hub_reference(v), "is not kaiming, gaussian, a PEFT adapter folder (adapter_config.json) or a hub id",
+     "kaiming"),
     (("trainer.signal_grace_s",), _above(0), "must be > 0",
      "seconds between the scheduler's stop signal and its SIGKILL: Slurm's KillWait, 30 by default"),
     (("trainer.start_timeout_s",), _optional(_above(0)), "must be > 0",

@@ -41,6 +41,7 @@ from hybridrl.trainer.reward_plan import (plan_distill, plan_reward_sources, pla
                                           teacher_roles)
 from hybridrl.workers.offload import check_offload
 from hybridrl.workers.policy import PolicyLossConfig
+from hybridrl.workers.sharding import check_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -331,10 +332,10 @@ def _check_fully_sharded(plan: RunPlan) -> None:
         _check(rp.model_path is None or _experts_of(rp.model_path) is None,
                f"{option}.parallel.fsdp={rp.layout.fsdp} with the mixture-of-experts model {rp.model_path}: Megatron's "
                f"fully sharded wrapper runs without expert parallelism; set {option}.parallel.fsdp=no_shard")
-        _check(role not in plan.lora, f"{option}.lora with {option}.parallel.fsdp={rp.layout.fsdp}: LoRA's adapters "
-                                      f"are a small share of the weights and its frozen base is not sharded here; "
-                                      f"set {option}.parallel.fsdp=no_shard (adapters train under plain data "
-                                      f"parallel) or drop {option}.lora")
+        try:
+            check_sharding(option, rp.layout.fsdp, plan.lora.get(role))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     actor = plan.roles.get("actor")
     if actor is None or actor.layout.fsdp == "no_shard":
         return
@@ -415,14 +416,10 @@ def _check_offload(cfg: Any, roll: RolloutConfig) -> None:
         check_offload(typed(cfg.actor.offload), "actor", roll.engine)
         check_offload(typed(cfg.ref.offload), "ref")
         check_offload(typed(cfg.critic.offload), "critic")
+        for role in ("actor", "critic"):
+            check_sharding(role, cfg[role].parallel.fsdp, offload=typed(cfg[role].offload))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    for role in ("actor", "critic"):
-        offload, fsdp = cfg[role].offload, cfg[role].parallel.fsdp
-        _check(fsdp == "no_shard" or not (offload.grads or offload.optimizer),
-               f"{role}.offload (grads / optimizer) with {role}.parallel.fsdp={fsdp}: the offload moves Megatron DDP's "
-               f"gradient buffers and optimizer, which the fully sharded wrapper does not have (its shards are 1/dp "
-               f"already); set {role}.parallel.fsdp=no_shard or turn the offload off")
 
 
 def _check_routing_record(roll: RolloutConfig, actor_path: str) -> None:

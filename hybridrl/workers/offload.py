@@ -91,10 +91,10 @@ class HostCopy:
 
 
 def grad_buffers(ddp: Any) -> list[torch.Tensor]:
-    """Megatron DDP's contiguous gradient buffers (every parameter's main_grad views one of them)."""
-    buffers = [b for name in ("buffers", "expert_parallel_buffers")
-               for b in (getattr(ddp, name, None) if isinstance(getattr(ddp, name, None), list) else [])]
-    # (a module not wrapped in Megatron DDP has torch's buffers() method there, no gradient buffers)
+    """Megatron DDP's contiguous gradient buffers (every parameter's main_grad views one of them); none for other
+    wrappers (the fully sharded one's `buffers` is nn.Module's method, not Megatron's list)."""
+    groups = [getattr(ddp, name, None) for name in ("buffers", "expert_parallel_buffers")]
+    buffers = [b for group in groups if isinstance(group, (list, tuple)) for b in group]
     return [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
 
 

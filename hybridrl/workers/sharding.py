@@ -42,6 +42,22 @@ def shards_model(fsdp: str, trainable: bool) -> bool:
     return fsdp == "full_shard" or (trainable and fsdp == "shard_grad_op")
 
 
+def check_sharding(role: str, fsdp: str, lora: Any = None, offload: Any = None) -> None:
+    """parallel.fsdp with a trained role's other settings (`lora`: config.LoraConfig, `offload`: config.
+    OffloadConfig). ValueError names the options and the fix; the trainer's plan and the short API both call it."""
+    if fsdp == "no_shard":
+        return
+    if lora is not None and lora.enabled:
+        raise ValueError(f"{role}.lora with {role}.parallel.fsdp={fsdp}: LoRA's adapters are a small share of the "
+                         f"weights and its frozen base is not sharded here; set {role}.parallel.fsdp=no_shard "
+                         f"(adapters train under plain data parallel) or drop {role}.lora")
+    if offload is not None and (offload.grads or offload.optimizer):
+        raise ValueError(f"{role}.offload (grads / optimizer) with {role}.parallel.fsdp={fsdp}: the offload moves "
+                         f"Megatron DDP's gradient buffers and optimizer, which the fully sharded wrapper does not "
+                         f"have (its shards are 1/dp already); set {role}.parallel.fsdp=no_shard or turn the offload "
+                         f"off")
+
+
 def fully_sharded(config: Any, module: torch.nn.Module, fsdp: str) -> torch.nn.Module:
     """`module` (a GPTModel, or Float16Module around one) wrapped in Megatron-Core's FSDP2 wrapper over the DP
     group: each transformer layer (and the embedding, unless it is tied to the output layer, which uses it after
