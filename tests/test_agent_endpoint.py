@@ -314,6 +314,9 @@ def test_concurrent_agents_are_batched_into_few_generate_calls():
 
 
 def test_timeouts_errors_and_rewards_of_agent_runs():
+    from hybridrl.protocol import Batch
+
+    Batch({"x": torch.zeros(1)})  # tensordict loads on first use (seconds on a busy machine), not in a 1 s run
     actor = ScriptedActor(lambda prompt: "ae", n=1)
     prompts = _prompts(["ok", "raise", "hang", "ok"])
     runner = _runner("test_agent_endpoint:misbehaving_agent", timeout_s=1.0)
