@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 
@@ -141,6 +142,10 @@ def test_bad_requests_get_openai_error_bodies_and_the_server_goes_on(served):
         error = response.json()["error"]
         assert words in error["message"] and set(error) == {"message", "type", "param", "code"}, error
     assert _post(served.url + "/agent/nope/v1/chat/completions", served.token, good).status_code == 404
+    port = int(served.url.rsplit(":", 1)[1])  # the default host: loopback only, never every interface
+    listening = {c.laddr.ip for c in psutil.net_connections("inet") if c.laddr and c.laddr.port == port
+                 and c.status == psutil.CONN_LISTEN}
+    assert served.url.startswith("http://127.0.0.1:") and listening == {"127.0.0.1"}, listening
     assert _post(served.url + "/v1/nowhere", served.token, good).json()["error"]["message"]
     # a prompt longer than the context: 400 context_length_exceeded, nothing generated
     long = {**good, "messages": [{"role": "user", "content": "a" * 450}]}
