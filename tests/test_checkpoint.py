@@ -334,7 +334,6 @@ def test_worker_deaths_beyond_max_restarts_stop_with_a_message(ray_cluster, tmp_
                     r"restart\(s\) are used up", line), line
 
 
-@pytest.mark.parametrize("policy", ["stop", "skip"])
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2.6 MB tmpfs: room for one checkpoint of the tiny actor (1.7 MB), not two."""
@@ -369,6 +368,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(r
                                        f"trainer.resume=auto"), err
 
 
+@pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nan_reward_policy_and_no_poisoned_checkpoint(ray_cluster, tmp_path, capsys, policy):
     """Rewards are NaN on step 2. stop: exit code 3 with the message, checkpoint of step 1 only. skip: the
     step is skipped (no update), the run goes on, steps 1 and 3 are checkpointed but not step 2."""
