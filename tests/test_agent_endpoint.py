@@ -283,6 +283,21 @@ async def misbehaving_agent(client, row):
     return {"reward": 1.0, "tools_used": 2}
 
 
+IN_FLIGHT = {"now": 0, "peak": 0}
+
+
+async def counted_agent(client, row):
+    """Counts the runs in flight at once (the runner's slots bound them)."""
+    IN_FLIGHT["now"] += 1
+    IN_FLIGHT["peak"] = max(IN_FLIGHT["peak"], IN_FLIGHT["now"])
+    try:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}])
+        await asyncio.sleep(0.05)  # its tools: the other runs get their turn
+        return 1.0
+    finally:
+        IN_FLIGHT["now"] -= 1
+
+
 async def rewardless_agent(client, row):
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}])
 
@@ -316,6 +331,17 @@ def test_concurrent_agents_are_batched_into_few_generate_calls():
                    for ids in rows)
     finally:
         runner.close()
+
+
+def test_agent_concurrency_bounds_the_runs_in_flight():
+    """rollout.agent_concurrency=3: 8 runs, never more than 3 at once (and 3 do run together)."""
+    runner = _runner("test_agent_endpoint:counted_agent", concurrency=3)
+    try:
+        out, = runner.run(ScriptedActor(lambda prompt: "ae", n=1), _prompts([f"vowels: {i}" for i in range(8)]),
+                          [{"seed": 1}])
+    finally:
+        runner.close()
+    assert len(out) == 8 and IN_FLIGHT == {"now": 0, "peak": 3}
 
 
 def test_timeouts_errors_and_rewards_of_agent_runs():
