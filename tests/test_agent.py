@@ -153,15 +153,16 @@ def _train(overrides: list[str], config: str | None = None):
 
 @pytest.mark.slow
 def test_remax_one_step_off_on_a_rollout_pool_with_partial_rollouts(devices):
-    """Generation on a pool of its own, one step off, partial rollouts: agent requests are served by the
-    replicas, each model token records the policy version that generated it (staleness <= 1); ReMax's greedy
-    runs give each prompt group its baseline while half the runs split into two trajectories (groups of other
-    sizes than rollout.n reach the estimator and the update)."""
+    """Generation on a pool of its own, one step off, partial rollouts, a LoRA actor: agent requests are served by
+    the replicas (the adapters sent to them alone), each model token records the policy version that generated it
+    (staleness <= 1); ReMax's greedy runs give each prompt group its baseline while half the runs split into two
+    trajectories (groups of other sizes than rollout.n reach the estimator and the update); the reference is the
+    actor with its adapters off."""
     trainer, history = _train(["algorithm.name=remax", "rollout.agent=agent_programs:splitting",
                                "data.chat_template=true", "rollout.max_turns=2", "rollout.n=1",
                                "actor.parallel.tp=2", "rollout.tp=1", "resources.pools={gen: 1}", "rollout.pool=gen",
-                               "trainer.mode=one_step_off", "rollout.partial=true"])
-    assert trainer.step == 2
+                               "trainer.mode=one_step_off", "rollout.partial=true", "actor.lora.rank=4"])
+    assert trainer.step == 2 and trainer.plan.step.reference_from_actor and "ref" not in trainer.plan.roles
     for metrics in history:
         assert metrics["actor/update_ok"] == 1.0 and all(math.isfinite(v) for v in metrics.values())
         assert metrics["agent/requests_mean"] == 2.0 and metrics["agent/errors"] == 0.0

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 
@@ -141,6 +142,10 @@ def test_bad_requests_get_openai_error_bodies_and_the_server_goes_on(served):
         error = response.json()["error"]
         assert words in error["message"] and set(error) == {"message", "type", "param", "code"}, error
     assert _post(served.url + "/agent/nope/v1/chat/completions", served.token, good).status_code == 404
+    port = int(served.url.rsplit(":", 1)[1])  # the default host: loopback only, never every interface
+    listening = {c.laddr.ip for c in psutil.net_connections("inet") if c.laddr and c.laddr.port == port
+                 and c.status == psutil.CONN_LISTEN}
+    assert served.url.startswith("http://127.0.0.1:") and listening == {"127.0.0.1"}, listening
     assert _post(served.url + "/v1/nowhere", served.token, good).json()["error"]["message"]
     # a prompt longer than the context: 400 context_length_exceeded, nothing generated
     long = {**good, "messages": [{"role": "user", "content": "a" * 450}]}
@@ -278,6 +283,21 @@ async def misbehaving_agent(client, row):
     return {"reward": 1.0, "tools_used": 2}
 
 
+IN_FLIGHT = {"now": 0, "peak": 0}
+
+
+async def counted_agent(client, row):
+    """Counts the runs in flight at once (the runner's slots bound them)."""
+    IN_FLIGHT["now"] += 1
+    IN_FLIGHT["peak"] = max(IN_FLIGHT["peak"], IN_FLIGHT["now"])
+    try:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}])
+        await asyncio.sleep(0.05)  # its tools: the other runs get their turn
+        return 1.0
+    finally:
+        IN_FLIGHT["now"] -= 1
+
+
 async def rewardless_agent(client, row):
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}])
 
@@ -313,7 +333,21 @@ def test_concurrent_agents_are_batched_into_few_generate_calls():
         runner.close()
 
 
+def test_agent_concurrency_bounds_the_runs_in_flight():
+    """rollout.agent_concurrency=3: 8 runs, never more than 3 at once (and 3 do run together)."""
+    runner = _runner("test_agent_endpoint:counted_agent", concurrency=3)
+    try:
+        out, = runner.run(ScriptedActor(lambda prompt: "ae", n=1), _prompts([f"vowels: {i}" for i in range(8)]),
+                          [{"seed": 1}])
+    finally:
+        runner.close()
+    assert len(out) == 8 and IN_FLIGHT == {"now": 0, "peak": 3}
+
+
 def test_timeouts_errors_and_rewards_of_agent_runs():
+    from hybridrl.protocol import Batch
+
+    Batch({"x": torch.zeros(1)})  # tensordict loads on first use (seconds on a busy machine), not in a 1 s run
     actor = ScriptedActor(lambda prompt: "ae", n=1)
     prompts = _prompts(["ok", "raise", "hang", "ok"])
     runner = _runner("test_agent_endpoint:misbehaving_agent", timeout_s=1.0)

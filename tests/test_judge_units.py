@@ -167,6 +167,9 @@ def test_judge_sections_are_checked_before_anything_starts():
              "reward_model.parser.choices: 'ab' is 2 tokens of the judge's tokenizer")
     _refused(JUDGE + ["reward_model.generation.tp=2"], r"reward_model.generation.tp=2 with reward_model.parallel.tp=1")
     _refused(JUDGE + ["reward.fn=hybridrl.data.tasks:charset_reward"], "both reward_model.model and reward.fn")
+    _refused(JUDGE + ["reward_model.format='{prompt} {response}'"], "reward_model.format is the text a scalar reward")
+    _refused(["reward_model.model=tiny:charset_judge", 'reward_model.template="Q: {prompt}"'],
+             "reward_model.template is a judge's prompt, but reward_model.kind='scalar'")
     _refused(JUDGE + ["reward_model.on_parse_error=drop", "algorithm.name=dapo", "rollout.n=2"],
              "drops unparsable verdicts .* max_refill_rounds")
     _refused(JUDGE + ["reward_model.pool=gen", "resources.pools={gen: 1}", "rollout.pool=gen",

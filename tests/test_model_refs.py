@@ -116,6 +116,13 @@ def test_train_plans_hub_ids_and_refuses_an_unknown_one_before_ray(hub, capsys):
     assert paths == {"actor": str(snapshots[REPO]), "ref": str(snapshots[OLD]), "critic": str(snapshots[REPO]),
                      "reward": str(snapshots[RM_REPO])}
     assert cli_main(["train", "--check", f"actor.model.path={REPO}"]) == 0
+    # a judge and a distillation teacher named by hub ids, resolved by the same plan
+    judge = f'{{name: j, model: {{kind: generative, model: "{REPO}@{OLD}", template: "{{prompt}}|{{response}}="}}}}'
+    plan = plan_run(load_config(DEFAULT_CONFIG, [f"actor.model.path={REPO}", f"reward.sources=[{judge}]",
+                                                 f"algorithm.distill.teacher={REPO}"]))
+    assert (plan.roles["reward/j"].model_path, plan.roles["teacher"].model_path) == (str(snapshots[OLD]),
+                                                                                     str(snapshots[REPO]))
+    assert plan.sources[0].scorer.model == str(snapshots[OLD])
     assert "config ok" in capsys.readouterr().out
     assert cli_main(["train", "--check", "reward_model.model=acme/missing", "algorithm.name=ppo"]) == 2
     err = capsys.readouterr().err.strip()

@@ -269,7 +269,7 @@ def test_the_run_plan_resolves_or_refuses_the_tool_sandbox(monkeypatch):
     with pytest.raises(ConfigError, match=r"^rollout.tool_sandbox=bwrap: bwrap is not installed; install"):
         plan("rollout.tool_sandbox=bwrap")
     assert plan("rollout.tool_sandbox=guard").rollout.tool_sandbox == "guard"  # the explicit opt-in
-    with pytest.raises(ConfigError, match="rollout.tool_sandbox='docker': is not a registered tool sandbox"):
+    with pytest.raises(ConfigError, match="^rollout.tool_sandbox='docker': is not a registered tool sandbox"):
         plan("rollout.tool_sandbox=docker")
     with pytest.raises(ConfigError, match="needs rollout.tool_sandbox_url"):
         plan("rollout.tool_sandbox=remote")

@@ -5,8 +5,8 @@
 `client` is already pointed at the rollout engine's endpoint (rollout/endpoint.py: base_url with the run in it,
 the run's bearer token); `row` is one data row (its "prompt" and extra columns). The agent calls the model as
 often as it likes, runs tools itself, and returns its reward: a number, a dict with "reward" (its other numeric
-entries are logged as agent/<key>), or None to leave scoring to reward.fn / the reward model. Each prompt row
-gets rollout.n runs (greedy settings: one run whose every request is greedy); at most
+entries are logged as agent/<key>), or None to leave scoring to reward.fn / the reward model / reward.sources.
+Each prompt row gets rollout.n runs (greedy settings: one run whose every request is greedy); at most
 rollout.agent_concurrency run at once, all inside one training -> generation transition (colocated) or on the
 rollout pool's replicas. A run still going after rollout.agent_timeout_s is cancelled; a run that raised or
 timed out is dropped, or kept with rollout.agent_failure_reward when that is set (agent/errors,
@@ -255,9 +255,9 @@ class AgentRunner:
         if value is None:
             if not self.settings.scored_elsewhere:
                 raise AgentError(f"rollout.agent={self.path!r} returned no reward for prompt "
-                                 f"{str(result.row.get('prompt'))[:60]!r} and neither reward.fn nor reward_model "
-                                 f"scores the trajectories: return a number (or a dict with 'reward'), or set "
-                                 f"reward.fn")
+                                 f"{str(result.row.get('prompt'))[:60]!r} and no reward.fn, reward_model or "
+                                 f"reward.sources scores the trajectories: return a number (or a dict with "
+                                 f"'reward'), or set reward.fn")
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"the agent returned {type(value).__name__} {value!r:.60}; return a number, a dict with "

@@ -120,7 +120,7 @@ class RLTrainer:
     def _agent_runner(self) -> AgentRunner:
         r, plan = self.cfg.rollout, self.plan
         settings = AgentSettings(r.agent_concurrency, r.agent_timeout_s, r.agent_failure_reward, plan.rollout.endpoint,
-                                 scored_elsewhere=bool(plan.reward_fn) or "reward" in plan.roles)
+                                 scored_elsewhere=bool(plan.sources))  # reward.fn, reward_model, reward.sources
         limits = TraceLimits(r.max_turns, r.max_new_tokens, plan.response_length, plan.rollout.max_model_len)
         return AgentRunner(r.agent, settings, self.tokenizer, self.cfg.data.chat_template, limits,
                            Path(plan.roles["actor"].model_path).name)
@@ -133,14 +133,18 @@ class RLTrainer:
     def start(self) -> None:
         """Start Ray and every role on its pool."""
         self.start_ray()
-        self.pools = {name: ResourcePool(nodes=len(split), devices_per_node=split, name=name,  # the plan's nodes
-                                         start_timeout_s=self.plan.start_timeout_s)
-                      for name, split in self.plan.node_devices.items()}
+        self.pools = {name: self._pool(name) for name in self.plan.node_devices}
         self.roles = start_roles(self.cfg, self.plan, self.pools, self.tokenizer)
         self.rewards = start_reward_sources(self.cfg, self.plan, self.pools)
         self.roles.update(self.rewards.scorers)
         if "rollout" in self.plan.roles:
             self._start_rollout_pool()
+
+    def _pool(self, name: str) -> ResourcePool:
+        """Pool `name` on the plan's nodes (resources.node_devices: whole nodes, or an even share of each)."""
+        split = self.plan.node_devices[name]
+        return ResourcePool(nodes=len(split), devices_per_node=split, name=name,
+                            start_timeout_s=self.plan.start_timeout_s)
 
     def _start_rollout_pool(self) -> None:
         """Generation replicas on rollout.pool, fed shard to shard by the actor, and the queue ahead of training."""
@@ -167,8 +171,7 @@ class RLTrainer:
         except Exception:  # noqa: BLE001 - its processes are dead or dying
             logger.debug("closing the dead rollout pool failed", exc_info=True)
         self.pools[name].shutdown()
-        self.pools[name] = ResourcePool(devices=self.plan.pools[name], nodes=self.cfg.resources.nodes, name=name,
-                                        start_timeout_s=self.plan.start_timeout_s)
+        self.pools[name] = self._pool(name)  # on the same nodes as before
         self.loader.load_state_dict(state)
         self._start_rollout_pool()
         self.roles["rollout"].sync()  # the actor's weights now, not the model folder's
@@ -257,9 +260,12 @@ class RLTrainer:
                     return group_baseline(values, step.greedy.sequences, step.out.sequences, step.groups, n)
 
                 step.baseline = per_row(self._with_episode_rewards(step.greedy, greedy[0].total))
-                if greedy[0].keep is not None:  # a dropped greedy verdict drops its group
-                    kept = per_row(greedy[0].keep.float()) == 1.0
-                    keep = keep & kept if keep is not None else kept
+                # a group without its baseline leaves the update: a greedy verdict dropped, or a greedy agent run
+                # that failed (no greedy row: group_baseline would give it 0)
+                greedy_keep = greedy[0].keep if greedy[0].keep is not None else torch.ones(len(step.greedy),
+                                                                                         dtype=torch.bool)
+                kept = per_row(greedy_keep.float()) == 1.0
+                keep = keep & kept if keep is not None else kept
             step.keep = keep if keep is not None and not bool(keep.all()) else None
             step.costs = self._scores_of("cost", step.out) if self.plan.step.cost else None
         if not self._finite_scores(step.scores, step.baseline, step.costs):

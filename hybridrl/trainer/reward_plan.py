@@ -115,7 +115,15 @@ def _model_section(cfg: Any, plan: Any, role: str, option: str, max_len: int,
     _check(kind is not None and kind.needs_model,
            f"{option}.kind={scorer.kind!r}: choose one of "
            f"{sorted(k for k, v in SOURCE_KINDS.items() if v.needs_model)}")
-    if scorer.kind != "generative":
+    judge = scorer.kind == "generative"
+    # each kind reads its text from its own option: a judge's template, a scalar model's format
+    _check(not (judge and scorer.format is not None), f"{option}.format is the text a scalar reward model was trained "
+                                                      f"on; a judge (kind=generative) reads {option}.template: unset "
+                                                      f"{option}.format")
+    _check(judge or scorer.template is None, f"{option}.template is a judge's prompt, but {option}.kind="
+                                             f"{scorer.kind!r}: set {option}.kind=generative, or give a scalar model's "
+                                             f"text as {option}.format")
+    if not judge:
         return scorer
     return _judge_section(placed, scorer, option, max_len, resolve_engine, vllm)
 
