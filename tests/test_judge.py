@@ -81,32 +81,39 @@ def hf_regex_scores(path: str, ids: list[list[int]], max_new_tokens: int, eos: i
 def test_judges_equal_transformers_at_tp2_and_pp2(ray_four_devices, judge_path):
     prompts, responses = _rows()
     pool = hybridrl.ResourcePool(devices=2, name="tp2")
-    choice = hybridrl.Judge(judge_path, TEMPLATE, {"name": "choice_logprob", "choices": DIGITS, "score_range": [0, 9]},
-                            resource_pool=pool, parallel={"tp": 2}, role="choice", micro_batch_size=3)
-    regex = {tp: hybridrl.Judge(judge_path, TEMPLATE, HIGH, resource_pool=pool, parallel={"tp": 2}, role=f"regex{tp}",
-                                on_parse_error=-1.0, generation={"tp": tp, "max_new_tokens": 4})
-             for tp in (1, 2)}
-    ids = choice.judge_ids(choice.judge_texts(prompts, responses))
-    assert ids[0] == choice.text.tokenizer(f"{prompts[0]}|{responses[0]}=")["input_ids"]  # <s> + the characters
-    got = choice.submit(prompts, responses).result()
-    expected = hf_choice_scores(judge_path, ids, choice.choice_ids)
-    assert (got.scores - expected).abs().max() <= 1e-4, (got.scores, expected)
-    assert got.parse_errors == 0 and bool(got.valid.all()) and got.scores.std() > 0.1  # real, different verdicts
-    want, texts = hf_regex_scores(judge_path, ids, 4, choice.tokens.stops[0])
-    assert 0 < int((want == -1).sum()) < len(want)  # some verdicts parse, some do not
-    for tp, judge in regex.items():
-        result = judge.submit(prompts, responses).result()
-        assert result.verdicts == texts, (tp, result.verdicts, texts)
-        assert torch.equal(result.scores, want.float()) and result.parse_errors == int((want == -1).sum())
-    pool.shutdown()
+    try:  # the pools go back also when an assertion fails: the module's later tests need their devices
+        choice = hybridrl.Judge(judge_path, TEMPLATE, {"name": "choice_logprob", "choices": DIGITS,
+                                                       "score_range": [0, 9]},
+                                resource_pool=pool, parallel={"tp": 2}, role="choice", micro_batch_size=3)
+        regex = {tp: hybridrl.Judge(judge_path, TEMPLATE, HIGH, resource_pool=pool, parallel={"tp": 2},
+                                    role=f"regex{tp}", on_parse_error=-1.0, generation={"tp": tp, "max_new_tokens": 4})
+                 for tp in (1, 2)}
+        ids = choice.judge_ids(choice.judge_texts(prompts, responses))
+        assert ids[0] == choice.text.tokenizer(f"{prompts[0]}|{responses[0]}=")["input_ids"]  # <s> + the characters
+        got = choice.submit(prompts, responses).result()
+        expected = hf_choice_scores(judge_path, ids, choice.choice_ids)
+        assert (got.scores - expected).abs().max() <= 1e-4, (got.scores, expected)
+        assert got.parse_errors == 0 and bool(got.valid.all()) and got.scores.std() > 0.1  # real, different verdicts
+        want, texts = hf_regex_scores(judge_path, ids, 4, choice.tokens.stops[0])
+        assert 0 < int((want == -1).sum()) < len(want)  # some verdicts parse, some do not
+        for tp, judge in regex.items():
+            for _ in range(2):  # a second call: the engine woken again after its release (state machine)
+                result = judge.submit(prompts, responses).result()
+                assert result.verdicts == texts, (tp, result.verdicts, texts)
+                assert torch.equal(result.scores, want.float()) and result.parse_errors == int((want == -1).sum())
+    finally:
+        pool.shutdown()
 
     pp2 = hybridrl.ResourcePool(devices=2, name="pp2")  # generation needs p_g = 1: the 3D-HybridEngine regroups
-    dropped = hybridrl.Judge(judge_path, TEMPLATE, HIGH, resource_pool=pp2, parallel={"pp": 2}, on_parse_error="drop",
-                             generation={"max_new_tokens": 4}).submit(prompts, responses).result()
+    try:
+        dropped = hybridrl.Judge(judge_path, TEMPLATE, HIGH, resource_pool=pp2, parallel={"pp": 2},
+                                 on_parse_error="drop", generation={"max_new_tokens": 4}
+                                 ).submit(prompts, responses).result()
+    finally:
+        pp2.shutdown()
     assert dropped.verdicts == texts and dropped.valid.tolist() == (want != -1).tolist()
     assert dropped.parse_errors == int((want == -1).sum())
     assert torch.equal(dropped.scores, want.float().clamp(min=0.0))  # a dropped sample's placeholder score is 0
-    pp2.shutdown()
 
 
 def test_grpo_driven_by_the_tiny_judge_learns_the_task(ray_four_devices):

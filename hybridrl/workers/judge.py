@@ -84,7 +84,7 @@ class JudgeWorker(Worker):
             return None
         if self.hybrid is not None:
             self.hybrid.to_generation()
-            self.engine.wake_weights()
+            self.engine.wake_weights()  # the engine's state machine (rollout/base.py): no push into a sleeping engine
             self.engine.load_weights(None)  # the generation model holds the judge's weights: drop stale cache
         self.engine.wake()
         try:
