@@ -1,4 +1,4 @@
-"""benchmarks/peer_trl.py's job: both sides read the same checkpoint, tokenizer and prompts, score with the
+"""benchmarks/peer_trl.py's job (benchmarks/peer_job.py): both sides read the same checkpoint, tokenizer and prompts, score with the
 same rule, and the hybridrl side's config is the one-update, no-reference GRPO the comparison needs.
 (The TRL venv is never created here, and no timing is asserted.)"""
 import sys
@@ -8,7 +8,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
-peer_trl = pytest.importorskip("peer_trl")
+peer_trl = pytest.importorskip("peer_job")
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,32 @@ def test_hybridrl_side_config(job, layout, tmp_path):
     assert cfg.rollout.ignore_eos and cfg.rollout.max_new_tokens == 32 and cfg.rollout.n == 4
     assert plan.rows_per_step == 64
     assert plan.roles["actor"].layout.tp == (2 if layout == "tp2->1" else 1)
+
+
+def test_each_side_runs_in_its_default_environment(monkeypatch):
+    """Nothing tunes a side's threads but the side itself: the caller's threading variables are removed, none
+    are added (only the offline switches and unbuffered output)."""
+    import os
+
+    for key, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"),
+                       ("GOMP_SPINCOUNT", "0"), ("KEEP_ME", "yes")):
+        monkeypatch.setenv(key, value)
+    env, dropped = peer_trl.side_env(None)
+    assert {"OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "GOMP_SPINCOUNT"} <= set(dropped)
+    assert not [k for k in env if k.startswith(peer_trl.THREAD_VARIABLE_PREFIXES)]
+    assert env["KEEP_ME"] == "yes" and "PYTHONPATH" not in env
+    assert set(env) - set(os.environ) <= {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+                                          "PYTHONUNBUFFERED"}
+    assert peer_trl.side_env("/a:/b")[0]["PYTHONPATH"] == "/a:/b"
+
+
+def test_natural_length_shape_config(job, tmp_path):
+    """A sweep / natural-length shape: EOS ends responses, the step's prompts and response cap follow the shape."""
+    from hybridrl.config import load_config
+    from hybridrl.trainer.plan import plan_run
+
+    shape = peer_trl.Shape(prompts=64, new_tokens=128, natural=True)
+    cfg = load_config("configs/grpo_tiny.yaml", peer_trl.hybridrl_overrides(job, "tp1", 3, tmp_path / "run", shape))
+    plan = plan_run(cfg)
+    assert not cfg.rollout.ignore_eos and cfg.rollout.max_new_tokens == 128
+    assert plan.rows_per_step == 256 == shape.sequences

@@ -249,10 +249,15 @@ def _lean_vs_megatron(model_dirs: dict, tp: int) -> dict:
             engine = NativeRolloutEngine(model, vocab_size=hf_config.vocab_size, max_model_len=32, max_batch_size=4,
                                          fast_forward=lean)
             assert (engine._fast is not None) == lean, name
-            for params in (SamplingParams(greedy=True, max_new_tokens=NEW_TOKENS),
-                           SamplingParams(n=2, seed=5, temperature=1.5, max_new_tokens=NEW_TOKENS)):
+            for label, params in (("greedy", SamplingParams(greedy=True, max_new_tokens=NEW_TOKENS)),
+                                  ("sample", SamplingParams(n=2, seed=5, temperature=1.5, max_new_tokens=NEW_TOKENS)),
+                                  # a quarter of the vocabulary stops: rows end at different steps (the lean
+                                  # forward drops them from the decode batch, Megatron's keeps them masked)
+                                  ("stops", SamplingParams(n=2, seed=5, temperature=1.5, max_new_tokens=NEW_TOKENS,
+                                                           stop_token_ids=list(range(3, 128, 4))))):
                 batch = engine.generate(PROMPTS, params)
-                out[(name, lean, params.greedy)] = (batch["responses"], batch["rollout_log_probs"])
+                out[(name, lean, label)] = (batch["responses"], batch["rollout_log_probs"], batch["response_mask"],
+                                            batch.meta["decode_row_steps"])
     return out
 
 
@@ -277,10 +282,17 @@ def test_lean_forward_equals_megatron_forward(dist_pool, family_dirs):
     for tp in (1, 2):
         out = pool.run(_lean_vs_megatron, family_dirs, tp)[0]
         for name in family_dirs:
-            for greedy in (True, False):
-                (lean_tokens, lean_lp), (ref_tokens, ref_lp) = out[(name, True, greedy)], out[(name, False, greedy)]
-                assert torch.equal(lean_tokens, ref_tokens), (name, tp, greedy)
-                assert (lean_lp - ref_lp).abs().max().item() <= 1e-5, (name, tp, greedy)
+            for label in ("greedy", "sample", "stops"):
+                (lean_tokens, lean_lp, mask, lean_steps), (ref_tokens, ref_lp, _, ref_steps) = \
+                    out[(name, True, label)], out[(name, False, label)]
+                assert torch.equal(lean_tokens, ref_tokens), (name, tp, label)
+                assert (lean_lp - ref_lp).abs().max().item() <= 1e-5, (name, tp, label)
+                if label != "stops":
+                    assert lean_steps == ref_steps == len(PROMPTS) * (1 if label == "greedy" else 2) * NEW_TOKENS
+                else:  # lengths differ: the lean decode computed only rows still running, Megatron's every row
+                    lengths = mask.sum(-1)
+                    assert lengths.min() < lengths.max(), (name, tp)
+                    assert lean_steps == int(lengths.sum()) < ref_steps, (name, tp)
 
 
 class _MaskIgnoringAttention(torch.nn.Module):

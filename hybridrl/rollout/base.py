@@ -324,10 +324,10 @@ def _is_batch(obj: Any) -> bool:
 def concat_batches(batches: list[Any], pad_token_id: int) -> Any:
     """Rows of generated Batches (assemble_batch's layout) from separate generate calls or generation
     replicas, re-padded to the widest prompt (left) and response (right) among them. The first batch's meta
-    is kept, less the per-call timing."""
+    is kept, less what is counted per call (timing, bytes, decode work)."""
     prompt_len = max(b["prompts"].shape[1] for b in batches)
     response_len = max(b["responses"].shape[1] for b in batches)
-    meta = {k: v for k, v in batches[0].meta.items() if k not in ("timing", "reshard_recv_bytes")}
+    meta = {k: v for k, v in batches[0].meta.items() if k not in ("timing", "reshard_recv_bytes", "decode_row_steps")}
     if len(batches) == 1:
         return Batch(dict(batches[0].tensors), dict(batches[0].non_tensors), meta)
     padded = []

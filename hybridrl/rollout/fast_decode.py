@@ -91,6 +91,13 @@ class FastForward:
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rot_dim], Megatron's non-interleaved layout
             self._cos_sin = (torch.cos(emb), torch.sin(emb))
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep the cache rows `index` (ascending), moved to the front: rows that stopped leave the decode batch."""
+        count = len(index)
+        for k_cache, v_cache in self.cache:
+            k_cache[:count] = k_cache[index]
+            v_cache[:count] = v_cache[index]
+
     def release(self) -> None:
         self.cache, self._cos_sin = [], None
 

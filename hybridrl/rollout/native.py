@@ -117,6 +117,8 @@ class NativeRolloutEngine(RolloutEngine):
         if self.one_length_per_batch:
             logger.info("native engine: the attention ignores padding masks (Transformer Engine): prompts are batched "
                         "by length")
+        self._row_steps = 0
+        self.last_row_steps = 0  # rows x sampling steps the last generate_rows computed (finished rows leave)
         self.routing = None
         if record_routing:
             self.routing = ExpertRouting.of(gpt)
@@ -192,7 +194,9 @@ class NativeRolloutEngine(RolloutEngine):
         prompt_ids = validate_prompts(normalise_prompts(prompts), self.max_model_len, params.max_new_tokens,
                                       self.vocab_size)
         rows = [ids for ids in prompt_ids for _ in range(params.n)]  # prompt-major, like repeat_interleave
-        return assemble_batch(self.generate_rows(rows, params), params, self.pad_token_id)
+        out = assemble_batch(self.generate_rows(rows, params), params, self.pad_token_id)
+        out.meta["decode_row_steps"] = self.last_row_steps
+        return out
 
     @torch.no_grad()
     def generate_rows(self, rows: list[list[int]], params: SamplingParams,
@@ -203,6 +207,7 @@ class NativeRolloutEngine(RolloutEngine):
         group at the same steps; when it says True, the rows still running end with finish_reason
         "interrupted" (the rows not started yet too, with no tokens), to be resumed by the caller."""
         self._check_awake()
+        self._row_steps = 0
         # One uniform per (row, step), fixed up front: rows are reproducible whatever the chunking.
         uniforms = None if params.is_greedy else row_uniforms(self._shared_seed(params.seed), len(rows),
                                                                 params.max_new_tokens, self.device)
@@ -232,6 +237,7 @@ class NativeRolloutEngine(RolloutEngine):
             self.model.train(was_training)
             if self.routing is not None:
                 self.routing.set_mode(None)
+            self.last_row_steps = self._row_steps
         return sequences
 
     def _batches(self, rows: list[list[int]]) -> list[list[int]]:
@@ -257,23 +263,42 @@ class NativeRolloutEngine(RolloutEngine):
             logits = logits[:, -1]
         return logits[:, :self.vocab_size].float()
 
-    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
-                        interrupt: Callable[[], bool] | None = None,
-                        placeholder: bool = False) -> tuple[list[GeneratedSequence], bool]:
-        """placeholder: a row that only keeps this replica's forwards in step with its expert-parallel peers
-        (stopped from the start; its output is dropped)."""
+    def _drop_finished(self, live: slice | torch.Tensor, finished: torch.Tensor, batch: int) -> slice | torch.Tensor:
+        """The decode batch without its finished rows (their KV-cache rows compacted away); unchanged when none
+        finished. A host sync: called at the stop checks only."""
+        running = ~finished[live]
+        if bool(running.all()):
+            return live
+        self._fast.keep_rows(running.nonzero().squeeze(1))
+        rows = torch.arange(batch, device=finished.device) if isinstance(live, slice) else live
+        return rows[running]
+
+    def _prompt_block(self, rows: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, ...]:
+        """tokens / is_real / positions [batch, prompt_len + max_new_tokens], prompts left-padded; prompt_len."""
         batch, dev = len(rows), self.device
-        if placeholder and uniforms is None and not params.is_greedy:
-            uniforms = torch.zeros((batch, params.max_new_tokens), dtype=torch.float64, device=dev)
         prompt_len = max(len(r) for r in rows)
-        total_len = prompt_len + params.max_new_tokens
+        total_len = prompt_len + max_new_tokens
         tokens = torch.full((batch, total_len), self.pad_token_id, dtype=torch.long, device=dev)
         is_real = torch.zeros((batch, total_len), dtype=torch.bool, device=dev)
         for i, ids in enumerate(rows):
             tokens[i, prompt_len - len(ids):prompt_len] = torch.tensor(ids, dtype=torch.long)
             is_real[i, prompt_len - len(ids):prompt_len] = True
         positions = (is_real.long().cumsum(dim=1) - 1).clamp(min=0)
-        causal = torch.ones((total_len, total_len), dtype=torch.bool, device=dev).tril()
+        return tokens, is_real, positions, prompt_len
+
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
+                        interrupt: Callable[[], bool] | None = None,
+                        placeholder: bool = False) -> tuple[list[GeneratedSequence], bool]:
+        """placeholder: a row that only keeps this replica's forwards in step with its expert-parallel peers
+        (stopped from the start; its output is dropped). Rows that stop leave the decode batch (their cache rows
+        compacted away) at the stop checks, so no forward computes on finished rows (lean forward, no expert
+        parallelism: the replicas' lockstep keeps their batches)."""
+        batch, dev = len(rows), self.device
+        if placeholder and uniforms is None and not params.is_greedy:
+            uniforms = torch.zeros((batch, params.max_new_tokens), dtype=torch.float64, device=dev)
+        tokens, is_real, positions, prompt_len = self._prompt_block(rows, params.max_new_tokens)
+        total_len = tokens.shape[1]
+        causal = torch.ones((prompt_len, prompt_len), dtype=torch.bool, device=dev).tril()
         stops = list(params.effective_stop_token_ids)
         stop_ids = torch.tensor(stops or [-1], dtype=torch.long, device=dev)
 
@@ -287,7 +312,7 @@ class NativeRolloutEngine(RolloutEngine):
             routed = torch.full((batch, total_len, self.routing.num_moe_layers, self.routing.topk), -1,
                                 dtype=torch.int16)
         # Prefill: all prompt positions at once.
-        allowed = causal[:prompt_len, :prompt_len].unsqueeze(0) & is_real[:, None, :prompt_len]
+        allowed = causal.unsqueeze(0) & is_real[:, None, :prompt_len]
         logits = self._forward(tokens[:, :prompt_len], positions[:, :prompt_len], allowed.unsqueeze(1), 0, context)
         if routed is not None:  # routers see tokens sequence-major: [prompt_len * batch, ...]
             routed[:, :prompt_len] = self.routing.take_recorded().view(prompt_len, batch, *routed.shape[2:]) \
@@ -297,32 +322,38 @@ class NativeRolloutEngine(RolloutEngine):
         interrupted = False
         log_probs = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=dev)
         num_generated = torch.zeros(batch, dtype=torch.long, device=dev)
+        live: slice | torch.Tensor = slice(None)  # the rows in the decode batch: all, or the indices still running
+        compact = self._fast is not None and self.ep_group is None and bool(stops)
+        check_every = _STOP_CHECK_EVERY.get(dev.type, 1)
         for step in range(params.max_new_tokens):
             pos = prompt_len + step
-            new_tokens, new_log_probs = sample_tokens(logits, params, None if uniforms is None else uniforms[:, step])
-            active = ~finished
-            tokens[:, pos] = torch.where(active, new_tokens, self.pad_token_id)
-            is_real[:, pos] = active
-            log_probs[:, step] = torch.where(active, new_log_probs, 0.0)
-            num_generated += active.long()
+            new_tokens, new_log_probs = sample_tokens(logits, params, None if uniforms is None else uniforms[live, step])
+            self._row_steps += len(new_tokens)
+            active = ~finished[live]
+            tokens[live, pos] = torch.where(active, new_tokens, self.pad_token_id)
+            is_real[live, pos] = active
+            log_probs[live, step] = torch.where(active, new_log_probs, 0.0)
+            num_generated[live] += active.long()
             if stops:
-                finished |= active & torch.isin(new_tokens, stop_ids)
+                finished[live] |= active & torch.isin(new_tokens, stop_ids)
             if step == params.max_new_tokens - 1:
                 break
             # asking whether every row stopped is a host sync (a GPU stall): only every few steps, and never
             # without stop tokens; rows that stopped meanwhile are masked, so the result is the same
-            if stops and step % _STOP_CHECK_EVERY.get(dev.type, 1) == 0 and \
+            if stops and step % check_every == 0 and \
                     self._agree(int(finished.all()), torch.distributed.ReduceOp.MIN):
                 break
             if interrupt is not None and step % _INTERRUPT_CHECK_EVERY == _INTERRUPT_CHECK_EVERY - 1 and \
                     self._agree(int(interrupt())):
                 interrupted = True
                 break
-            positions[:, pos] = positions[:, pos - 1] + 1
-            seen = is_real[:, None, None, :pos + 1]  # the new query sees every real key so far
-            logits = self._forward(tokens[:, pos:pos + 1], positions[:, pos:pos + 1], seen, pos, context)
+            positions[live, pos] = positions[live, pos - 1] + 1
+            if compact and step % check_every == 0:
+                live = self._drop_finished(live, finished, batch)
+            seen = is_real[live][:, None, None, :pos + 1]  # the new query sees every real key so far
+            logits = self._forward(tokens[live, pos:pos + 1], positions[live, pos:pos + 1], seen, pos, context)
             if routed is not None:
-                routed[:, pos] = self.routing.take_recorded().cpu()
+                routed[live if isinstance(live, slice) else live.cpu(), pos] = self.routing.take_recorded().cpu()
 
         out = []
         for i, ids in enumerate(rows):

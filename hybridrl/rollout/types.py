@@ -118,6 +118,10 @@ def rollouts_from_replicas(results: list, all_params: list[SamplingParams], text
         per_replica = [None if r is None else (r[0], r[1][i]) for r in results]
         sequences = merge_replicas(per_replica, pad)
         sequences.meta["timing"] = max_timing(per_replica)
+        row_steps = [r[1].meta["decode_row_steps"] for r in per_replica
+                     if r is not None and "decode_row_steps" in r[1].meta]
+        if row_steps:  # the native engine's decode work (rows x sampling steps), summed over the replicas
+            sequences.meta["decode_row_steps"] = sum(row_steps)
         rollouts.append(Rollout(sequences, decode_responses(tokenizer, sequences),
                                 [t for t in texts for _ in range(params.n)],
                                 [m for m in metadata for _ in range(params.n)], tokenizer))

@@ -356,6 +356,9 @@ class RLTrainer:
         prompt_tokens = float(out.sequences["attention_mask"][:, :out.sequences["prompts"].shape[1]].sum())
         response_tokens = float(mask.sum())
         metrics = step.metrics
+        row_steps = out.sequences.meta.get("decode_row_steps")
+        if row_steps:  # the share of the rows the decode steps computed that sampled a real token
+            metrics["rollout/decode_fill"] = response_tokens / row_steps
         metrics.update({
             "reward_mean": float(scores.mean()), "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
             "kl_mean": step.sequence_kl, "kl_coef": step.kl_coef,

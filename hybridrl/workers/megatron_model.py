@@ -36,7 +36,7 @@ from hybridrl.protocol import Batch
 from hybridrl.workers import fsdp_checkpoint
 from hybridrl.workers.moe_metrics import RoutingTracker
 from hybridrl.workers.offload import TrainingStateOffload, grad_buffers
-from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, restore_order
+from hybridrl.workers.sequences import PackedSequences, micro_batches, pack, packed_fill, restore_order
 from hybridrl.workers.sharding import fully_sharded, local_tensor, release_gathered, shards_model
 
 logger = logging.getLogger(__name__)
@@ -310,6 +310,7 @@ class MegatronModel:
             self.scheduler.step(increment=1)
         self.steps += 1
         result: dict[str, float] = {"tokens": local_tokens,  # lets the driver weight DP ranks' metrics
+                                    "token_fill": packed_fill(micro_batches),
                                     "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                                     "update_ok": float(bool(ok)), "lr": float(self.optimizer.param_groups[0]["lr"]),
                                     **routing}

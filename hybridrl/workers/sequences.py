@@ -151,6 +151,12 @@ def micro_batches(packed: PackedSequences, extra: dict[str, torch.Tensor], *, mi
     return out, order
 
 
+def packed_fill(batches: list[dict]) -> float:
+    """The share of the positions the micro-batches compute ([rows, width] each) that hold a real token."""
+    computed = sum(mb["input_ids"].numel() for mb in batches)
+    return float(sum(int(mb["lengths"].sum()) for mb in batches)) / max(computed, 1)
+
+
 def restore_order(results: torch.Tensor, order: list[int]) -> torch.Tensor:
     """Per-sequence results in micro-batch order -> the original sequence order."""
     out = torch.empty_like(results)
