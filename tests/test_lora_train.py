@@ -61,12 +61,19 @@ CASES = {
     "async_gspo": ["algorithm.name=gspo", "rollout.n=2", "resources.devices=1", "resources.pools.gen=1",
                    "rollout.pool=gen", "trainer.mode=async", "algorithm.max_staleness=2", "algorithm.ppo_epochs=2",
                    "algorithm.mini_batch_size=4"],
+    # DAPO: dynamic sampling refills the batch (more generate calls per step), no reference
+    "dapo": ["algorithm.name=dapo", "rollout.n=2"],
+    # on-policy distillation: the teacher's log-probs against the LoRA student's (the tiny judge, another LM of
+    # the same vocabulary, as the teacher: it differs from the student from the first step)
+    "opd": ["algorithm.distill.teacher=tiny:charset_judge"],
 }
+CONFIG_OF = {"opd": "opd_tiny"}  # the others: the default config
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lora_runs_every_kind_of_actor_update(ray_two_devices, case):
-    trainer, history = _run(None, SMALL + CASES[case])
+    trainer, history = _run(CONFIG_OF.get(case), SMALL + CASES[case])
+    assert trainer.plan.lora["actor"].rank == 4
     for h in history:
         assert math.isfinite(h["reward_mean"]) and h["actor/update_ok"] == 1.0
         assert h["actor/grad_norm"] > 0
