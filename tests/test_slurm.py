@@ -1,6 +1,7 @@
 """`hybridrl submit` against a real Slurm: Debian's munge + slurmctld + two slurmd "nodes" on loopback with one
 fake GPU each (scripts/slurm_local.sh, started here when it is not running yet), Ray head + worker per node,
-the tiny ReMax config trained across both nodes, clean teardown, and requests that must fail fast."""
+the tiny one-step-off ReMax config trained across both nodes (a pool on each), a time limit and scancel stopping the
+trainer, clean teardown, and requests that must fail fast."""
 from __future__ import annotations
 
 import argparse
