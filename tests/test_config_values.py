@@ -16,7 +16,7 @@ ROLE_BAD = {  # per model section (actor, ref, critic)
     "pool": "''", "parallel.ep": 0, "parallel.expert_tp": 0, "moe.aux_loss_coef": -1, "moe.z_loss_coef": -1,
     "parallel.fsdp": "zero3",
     "lora.rank": -1, "lora.alpha": 0, "lora.dropout": 1.0, "lora.target_modules": "[attn]", "lora.init": "/nonexistent",
-    "lora.generation": "weird",
+    "lora.generation": "weird", "offload.grads": "maybe", "offload.optimizer": "maybe", "offload.params": "maybe",
 }
 SCORER_BAD = {  # per score-model section (reward_model, cost_model)
     "model": "/nonexistent/rm", "dtype": "int8", "pool": "''", "parallel.tp": 0, "parallel.pp": 0,
@@ -35,7 +35,7 @@ SCORER_BAD = {  # per score-model section (reward_model, cost_model)
 DISTILL_BAD = {  # algorithm.distill: the teacher and where it runs
     "teacher": "/nonexistent/teacher", "coef": -1, "mode": "weird", "pool": "''", "dtype": "int8",
     "parallel.tp": 0, "parallel.pp": 0, "parallel.dp": 0, "parallel.sequence_parallel": "maybe", "parallel.ep": 0,
-    "parallel.expert_tp": 0, "micro_batch_size": 0, "max_tokens_per_micro_batch": 0,
+    "parallel.expert_tp": 0, "micro_batch_size": 0, "max_tokens_per_micro_batch": 0, "parallel.fsdp": "zero3",
 }
 BAD = {
     "algorithm.name": "nope", "algorithm.module": "no_such_module_xyz", "algorithm.gamma": 1.5,
@@ -75,6 +75,7 @@ BAD = {
     "trainer.on_nan": "weird", "trainer.mode": "weird", "trainer.max_skipped_steps": 0, "trainer.trackers": "[nope]",
     "trainer.project": "''", "trainer.progress_bar": "maybe", "trainer.call_timeout_s": 0,
     "trainer.hang_timeout_s": -1, "trainer.save_on_signal": "maybe", "trainer.signal_grace_s": 0,
+    "trainer.start_timeout_s": 0,
 }
 # refused elsewhere, with another exit code: an unwritable run folder is the machine's refusal (exit 5,
 # tests/test_train_config.py)
