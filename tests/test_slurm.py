@@ -1,6 +1,7 @@
 """`hybridrl submit` against a real Slurm: Debian's munge + slurmctld + two slurmd "nodes" on loopback with one
 fake GPU each (scripts/slurm_local.sh, started here when it is not running yet), Ray head + worker per node,
-the tiny ReMax config trained across both nodes, clean teardown, and requests that must fail fast."""
+the tiny one-step-off ReMax config trained across both nodes (a pool on each), a time limit and scancel stopping the
+trainer, clean teardown, and requests that must fail fast."""
 from __future__ import annotations
 
 import argparse
@@ -100,16 +101,20 @@ def free_port_block(size: int) -> int:
 
 
 @pytest.mark.slow
-def test_remax_tiny_trains_across_two_slurm_nodes(slurm, tmp_path):
-    """The issue's run: `hybridrl submit configs/remax_tiny.yaml --nodes 2 --gpus-per-node 1`. Each slurmd
-    "node" offers one fake GPU (Slurm GRES), so the actor's 2-device pool (TP=2) has one worker on each
-    node and its gloo group crosses them; 2 ReMax steps, metrics written, nothing left behind."""
+def test_two_slurm_nodes_train_with_a_pool_on_each(slurm, tmp_path):
+    """`hybridrl submit configs/remax_async_tiny.yaml --nodes 2 --gpus-per-node 1`: each slurmd "node" offers one
+    fake GPU (Slurm GRES); the Ray cluster spans both nodes and the trainer joins it. HybridFlow's whole-node
+    placement: the actor (+ reference) pool on n1, the rollout pool on n2 (`hybridrl submit` places them; before, a
+    pool had to stripe over every node), 3 steps with the weights sent from node to node over a group that crosses
+    them; the job's ray_actors.json shows each pool's worker on its node, each pool's rendezvous listens on its node's
+    address, and nothing is left behind. (One job for what two did: a 2-device actor striped over both nodes, and
+    the pools on separate nodes.)"""
     run_dir = tmp_path / "run"
     try:
-        proc = submit("configs/remax_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1", "--ip-mode", "loopback",
-                      "--time", "30", "--job-name", "hr-test-train", "--ray-object-store-mb", "100",
-                      "--ray-join-timeout", "300", "--wait", "--wait-timeout", "1300",
-                      "trainer.steps=2", f"trainer.run_dir={run_dir}", timeout=1400)
+        proc = submit("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1", "--ip-mode",
+                      "loopback", "--time", "30", "--job-name", "hr-test-pools", "--ray-object-store-mb", "100",
+                      "--ray-join-timeout", "300", "--wait", "--wait-timeout", "1300", "resources.devices=1",
+                      "actor.parallel.tp=1", "trainer.steps=3", f"trainer.run_dir={run_dir}", timeout=1400)
     finally:
         cancel(run_dir)
     job_id = (run_dir / "job_id").read_text().strip()  # trainer.run_dir is the job's run dir too
@@ -125,64 +130,36 @@ def test_remax_tiny_trains_across_two_slurm_nodes(slurm, tmp_path):
     running = next(line for line in job_log.splitlines() if "] running: " in line)
     assert f"resources.ray_address={head}" in running and "resources.nodes=2" in running, running
     assert "trainer.resume=auto" not in running  # first run, not a requeue
+    assert "resources.node_devices.default=[1,0]" in running and "resources.node_devices.gen=[0,1]" in running
 
-    # the trainer joined that cluster (not a local one) and trained 2 steps
+    # the trainer joined that cluster (not a local one) and trained 3 steps, generation on its own pool
     config = (run_dir / "config.yaml").read_text()
     assert f"ray_address: {head}" in config and "nodes: 2" in config, config
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert 0.0 <= s["reward_mean"] <= 1.0 and s["actor/update_ok"] == 1.0, s
-    assert "done: 2 steps" in job_log
+    assert any("time/weight_sync" in s for s in steps)  # fed over the bridge, from n1 to n2
+    assert "done: 3 steps" in job_log
 
-    # the actor's workers (one host process per device) ran one on each node
+    # each pool's worker host on its node; its rendezvous on its node's address (not every interface)
     actors = json.loads((run_dir / "ray_actors.json").read_text())
-    hosts = [a for a in actors if a["actor_class"] == "WorkerHost"]
-    assert sorted(a["node_name"] for a in hosts) == ["n1", "n2"], actors
-    assert sorted(a["node_ip"] for a in hosts) == ["127.0.0.2", "127.0.0.3"], actors
-    assert len({a["pid"] for a in hosts}) == 2 and all(a["state"] == "DEAD" for a in hosts), hosts
-    assert "actors WorkerHost[default]: n1 x1, n2 x1" in job_log
+    hosts = {a["name"].split(":")[1]: a for a in actors if a["actor_class"] == "WorkerHost"}
+    assert sorted(hosts) == ["default", "gen"], actors
+    assert (hosts["default"]["node_name"], hosts["default"]["node_ip"]) == ("n1", "127.0.0.2"), hosts
+    assert (hosts["gen"]["node_name"], hosts["gen"]["node_ip"]) == ("n2", "127.0.0.3"), hosts
+    assert hosts["default"]["pid"] != hosts["gen"]["pid"] and all(a["state"] == "DEAD" for a in hosts.values())
+    assert "actors WorkerHost[default]: n1 x1" in job_log and "actors WorkerHost[gen]: n2 x1" in job_log
+    for pool, ip in (("default", "127.0.0.2"), ("gen", "127.0.0.3")):
+        assert re.search(rf"pool '{pool}': 1 workers in one {re.escape(ip)}:\d+ process group", job_log), job_log
 
+    # clean teardown on both nodes
     assert "command exited with 0" in job_log and "Ray stopped" in job_log
     for node in ("n1", "n2"):
         node_log = (run_dir / "logs" / f"ray-{node}.log").read_text()
         assert f"node {node}: Ray stopped" in node_log and ", 0 left" in node_log, node_log[-2000:]
     assert wait_no_processes(job_id) == []
     assert not Path(f"/tmp/hr-ray-{job_id}").exists()
-
-
-@pytest.mark.slow
-def test_pools_on_separate_nodes_across_two_slurm_nodes(slurm, tmp_path):
-    """HybridFlow's whole-node placement: remax_async_tiny's actor (+ reference) pool on n1, its rollout pool on n2
-    (`hybridrl submit` places them; before, a pool had to stripe over every node), 3 steps with the weights sent
-    from node to node; the job's ray_actors.json shows each pool's worker on its node, and each pool's rendezvous
-    listens on its node's address."""
-    run_dir = tmp_path / "run"
-    try:
-        proc = submit("configs/remax_async_tiny.yaml", "--nodes", "2", "--gpus-per-node", "1", "--ip-mode",
-                      "loopback", "--time", "30", "--job-name", "hr-test-pools", "--ray-object-store-mb", "100",
-                      "--ray-join-timeout", "300", "--wait", "--wait-timeout", "1300", "resources.devices=1",
-                      "actor.parallel.tp=1", "trainer.steps=3", f"trainer.run_dir={run_dir}", timeout=1400)
-    finally:
-        cancel(run_dir)
-    job_id = (run_dir / "job_id").read_text().strip()
-    job_log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_log}"
-    running = next(line for line in job_log.splitlines() if "] running: " in line)
-    assert "resources.node_devices.default=[1,0]" in running and "resources.node_devices.gen=[0,1]" in running
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2, 3] and all(s["actor/update_ok"] == 1.0 for s in steps)
-    assert any("time/weight_sync" in s for s in steps)  # generation on its own pool, fed over the bridge
-
-    actors = json.loads((run_dir / "ray_actors.json").read_text())
-    hosts = {a["name"].split(":")[1]: a for a in actors if a["actor_class"] == "WorkerHost"}
-    assert sorted(hosts) == ["default", "gen"], actors
-    assert (hosts["default"]["node_name"], hosts["default"]["node_ip"]) == ("n1", "127.0.0.2"), hosts
-    assert (hosts["gen"]["node_name"], hosts["gen"]["node_ip"]) == ("n2", "127.0.0.3"), hosts
-    assert "actors WorkerHost[default]: n1 x1" in job_log and "actors WorkerHost[gen]: n2 x1" in job_log
-    for pool, ip in (("default", "127.0.0.2"), ("gen", "127.0.0.3")):  # not every interface: the node's address
-        assert re.search(rf"pool '{pool}': 1 workers in one {re.escape(ip)}:\d+ process group", job_log), job_log
-    assert "command exited with 0" in job_log and wait_no_processes(job_id) == []
 
 
 def _wait_job(job_id: str, timeout_s: float = 600) -> str:
