@@ -33,7 +33,9 @@ setup(
     packages=find_packages(include=["hybridrl", "hybridrl.*", "megatron_patches", "megatron_patches.*"]) + BUNDLED,
     # the top-level configs/ and launch/ folders ship inside the package (hybridrl/bundled.py finds them)
     package_dir={f"hybridrl._bundled.{name}": name for name in ("configs", "launch")},
-    package_data={"hybridrl": ["assets/**/*"], "hybridrl._bundled.configs": ["*.yaml", "gpu/*.yaml", "gpu/tools/*.yaml", "gpu/moe/*.yaml", "gpu/lora/*.yaml"],
+    package_data={"hybridrl": ["assets/**/*"],
+                  "hybridrl._bundled.configs": ["*.yaml", "gpu/*.yaml", "gpu/tools/*.yaml", "gpu/moe/*.yaml",
+                                                "gpu/lora/*.yaml", "gpu/judge/*.yaml"],
                   "hybridrl._bundled.launch": ["README.md", "slurm/*.sbatch", "ray/*.sh"]},
     python_requires=">=3.11",
     install_requires=CORE,

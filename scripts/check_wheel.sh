@@ -22,6 +22,8 @@ need = ["hybridrl/_bundled/configs/remax_tiny.yaml", "hybridrl/_bundled/configs/
         "hybridrl/_bundled/configs/gpu/remax_llama2_7b_8gpu.yaml",
         "hybridrl/_bundled/configs/gpu/tools/grpo_qwen2_5_7b_python_8gpu.yaml",
         "hybridrl/_bundled/configs/gpu/moe/grpo_qwen3_30b_a3b_16gpu.yaml", "hybridrl/_bundled/configs/grpo_moe_tiny.yaml",
+        "hybridrl/_bundled/configs/gpu/lora/grpo_llama3_70b_lora_8gpu.yaml",
+        "hybridrl/_bundled/configs/gpu/judge/grpo_llama2_7b_judge_llama7b_16gpu.yaml",
         "hybridrl/_bundled/configs/remax_async_tiny.yaml", "hybridrl/_bundled/launch/slurm/hybridrl.sbatch",
         "hybridrl/_bundled/launch/ray/start_head.sh", "hybridrl/assets/tokenizer/tokenizer.json",
         "hybridrl/bundled.py", "hybridrl/cli/submit.py", "hybridrl/cli/__main__.py"]
