@@ -317,7 +317,10 @@ def test_gloo_and_nccl_listen_on_the_interface_of_the_rendezvous(monkeypatch):
     name, address = routable[0] if routable else ("lo", "127.0.0.1")
     assert interface_of(address) == name
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.delenv(variable, raising=False)
+        # set, then removed: monkeypatch restores only what it recorded (a delenv of an absent variable records
+        # nothing, and the pinned interface would leak into every later test's runs)
+        monkeypatch.setenv(variable, "unset")
+        monkeypatch.delenv(variable)
     pin_collectives_to(address)
     assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == name
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
