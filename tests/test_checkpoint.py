@@ -202,9 +202,11 @@ def test_tp2_checkpoint_resumes_at_tp1(reference_run, tmp_path):
     records = _records(run_dir)
     assert [r["step"] for r in records] == [4]
     # per-token metrics are averaged per DP rank before the driver averages the ranks: at dp=2 they are not the
-    # same statistic as at dp=1 (the update is: its loss is the global token mean, see grad_norm)
+    # same statistic as at dp=1 (the update is: its loss is the global token mean, see grad_norm); token_fill is
+    # the padding of each rank's own micro-batches, which change with the DP split
     _assert_same_metrics(records, reference_run["records"][3:4], rel=1e-4,
-                         skip=("actor/pg_loss", "actor/entropy", "actor/clipfrac", "actor/approx_kl"))
+                         skip=("actor/pg_loss", "actor/entropy", "actor/clipfrac", "actor/approx_kl",
+                               "actor/token_fill"))
 
 
 def test_killed_worker_is_recovered_and_run_finishes(reference_run, tmp_path):
