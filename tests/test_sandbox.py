@@ -171,6 +171,18 @@ def test_limits_hold(code, expected):
     assert len(result.stdout) + len(result.stderr) <= 2 << 20  # the driver read no more than the cap
 
 
+def test_files_made_faster_than_the_parent_polls_are_still_counted(monkeypatch):
+    """The parent counts the scratch files every quarter second; a call that makes its files and ends between
+    two counts (here: no count at all) is counted by its launcher before the sandbox goes; under the limit it
+    passes."""
+    monkeypatch.setattr(sandbox_bwrap, "_count_files", lambda proc, most: "")
+    flood = "import os\nfor i in range(300):\n    open(f'f{i}', 'w').close()\nprint(len(os.listdir()))"
+    result = run_python(flood, sandbox="bwrap", timeout_s=60, files=100)
+    assert result.stdout == "300\n" and result.observation().startswith(
+        "error: file count limit exceeded (301 > 100 files)"), result
+    assert run_python(flood, sandbox="bwrap", timeout_s=60, files=400).observation() == "300\n"
+
+
 def test_writes_outside_the_scratch_folder_fail():
     out = bwrap("import os\nfor path in ('/usr/x', '/x', '/etc/x', '/proc/x'):\n    try:\n        open(path, 'w')\n"
                 "    except OSError as exc:\n        print(exc.errno)\nopen('here', 'w').write('kept')\n"

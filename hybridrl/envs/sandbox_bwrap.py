@@ -17,6 +17,7 @@ One call = one `bwrap` process tree that dies whole (its PID namespace goes with
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -40,12 +41,23 @@ def _enter(memory, cpu, fsize, nproc, uid):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+def _count_files(most, report):
+    # a burst of files made and left within one of the parent's polls: counted before the sandbox (and its
+    # tmpfs) is gone; written to the parent's report pipe (code that skips this by os._exit took its tmpfs along)
+    stats = os.statvfs("/tmp")
+    used = stats.f_files - stats.f_ffree
+    if used > most:
+        os.write(report, f"file count limit exceeded ({used} > {most} files)".encode())
 _enter(*map(int, sys.argv[1:6]))
+_most, _report = map(int, sys.argv[6:8])
 del _enter
 _source = sys.stdin.read()
 sys.stdin.close()
 sys.argv = ["<tool code>"]
-exec(compile(_source, "<tool code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+try:
+    exec(compile(_source, "<tool code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+finally:
+    _count_files(_most, _report)
 '''
 _UID_RANGE = (2_000_000_000, 2_100_000_000)  # fresh uids for root's calls: no account, no file owned by them
 _SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -77,8 +89,10 @@ def _read_only_tree() -> list[str]:
     return args
 
 
-def bwrap_command(limits: SandboxLimits, seccomp_fd: int | None, as_root: bool) -> tuple[list[str], int]:
-    """The bwrap command line for one call and the uid the code runs as (0: bwrap's own user namespace)."""
+def bwrap_command(limits: SandboxLimits, seccomp_fd: int | None, as_root: bool,
+                  report_fd: int) -> tuple[list[str], int]:
+    """The bwrap command line for one call and the uid the code runs as (0: bwrap's own user namespace); the
+    launcher reports a limit broken at the end on `report_fd`."""
     bwrap = shutil.which("bwrap")
     uid = random.randrange(*_UID_RANGE) if as_root else 0
     args = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
@@ -95,7 +109,8 @@ def bwrap_command(limits: SandboxLimits, seccomp_fd: int | None, as_root: bool) 
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     args += [sys.executable, "-I", "-c", _LAUNCHER, str(limits.memory_mb << 20),
-             str(limits.cpu_s), str(limits.file_mb << 20), str(limits.processes), str(uid)]
+             str(limits.cpu_s), str(limits.file_mb << 20), str(limits.processes), str(uid), str(limits.files),
+             str(report_fd)]
     return args, uid
 
 
@@ -111,16 +126,32 @@ class BwrapSandbox(Sandbox):
 
 def _run(code: str, limits: SandboxLimits) -> SandboxResult:
     program = seccomp.program()
-    with tempfile.TemporaryFile() as filter_file:  # bwrap reads the filter from an inherited descriptor
-        pass_fds: tuple[int, ...] = ()
-        if program is not None:
-            filter_file.write(program)
-            filter_file.flush()
-            filter_file.seek(0)
-            pass_fds = (filter_file.fileno(),)
-        argv, _ = bwrap_command(limits, pass_fds[0] if pass_fds else None, as_root=os.geteuid() == 0)
-        outcome = run_process(argv, code.encode(), limits, env={"PATH": _SANDBOX_PATH}, pass_fds=pass_fds,
-                              watch=lambda proc: _count_files(proc, limits.files))
+    report_read, report_write = os.pipe()
+    try:
+        with tempfile.TemporaryFile() as filter_file:  # bwrap reads the filter from an inherited descriptor
+            seccomp_fd = None
+            if program is not None:
+                filter_file.write(program)
+                filter_file.flush()
+                filter_file.seek(0)
+                seccomp_fd = filter_file.fileno()
+            argv, _ = bwrap_command(limits, seccomp_fd, as_root=os.geteuid() == 0, report_fd=report_write)
+            pass_fds = (report_write,) if seccomp_fd is None else (seccomp_fd, report_write)
+            outcome = run_process(argv, code.encode(), limits, env={"PATH": _SANDBOX_PATH}, pass_fds=pass_fds,
+                                  watch=lambda proc: _count_files(proc, limits.files))
+        os.close(report_write)
+        report_write = -1
+        if not outcome.stopped:  # the launcher's own count at the end (its sandbox is gone: nothing more comes)
+            os.set_blocking(report_read, False)
+            try:
+                report = os.read(report_read, 4096).decode(errors="replace")
+            except BlockingIOError:
+                report = ""
+            outcome = dataclasses.replace(outcome, stopped=report)
+    finally:
+        for fd in (report_read, report_write):
+            if fd >= 0:
+                os.close(fd)
     return outcome.result()
 
 
