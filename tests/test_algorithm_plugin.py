@@ -28,21 +28,25 @@ def _train(tmp_path, *overrides, timeout=600):
 
 
 @pytest.mark.slow  # ~1 min: a local Ray cluster, 3 GRPO-shaped steps
-def test_plugin_algorithm_trains_by_name(tmp_path):
+def test_plugin_algorithm_and_policy_loss_train_by_name(tmp_path):
+    """An algorithm and its policy loss registered only in the user's module (the actor's Ray workers must
+    import it to run the loss), with the rollout correction on. (The plugin's other algorithm, a plain advantage
+    function, is checked in-process: tests/test_algorithms.py registers one.)"""
     run_dir = tmp_path / "run"
-    proc = _train(tmp_path, "algorithm.name=plugin_mean_baseline", "algorithm.module=algorithm_plugin",
+    proc = _train(tmp_path, "algorithm.name=plugin_capped_reinforce", "algorithm.module=algorithm_plugin",
                   "algorithm.rollout_correction=tis", "trainer.steps=3", f"trainer.run_dir={run_dir}",
                   "trainer.progress_bar=false")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(r["actor/pg_loss"] == r["actor/pg_loss"] for r in records)  # finite: the update ran
-    # the native engine (TP=1) and the trainer (TP=2) agree in fp32: a tiny mismatch, no weight reaches the cap
-    for r in records:
+    for r in records:  # a stat only this loss reports (ppo's would not): the plugin's loss ran in the workers
+        assert 0.9 < r["actor/plugin_is_weight"] <= 1.2 + 1e-6, r
+        assert r["actor/pg_loss"] == r["actor/pg_loss"] and r["actor/clipfrac"] >= 0.0, r
+        # the native engine (TP=1) and the trainer (TP=2) agree in fp32: a tiny mismatch, no weight reaches the cap
         assert 0.0 <= r["mismatch/log_prob_diff"] < 1e-3 and abs(r["mismatch/kl"]) < 1e-4, r
         assert r["mismatch/corrected_fraction"] == 0.0, r
     config = (run_dir / "config.yaml").read_text()
-    assert "plugin_mean_baseline" in config and "module: algorithm_plugin" in config
+    assert "plugin_capped_reinforce" in config and "module: algorithm_plugin" in config
 
 
 def test_unknown_algorithm_and_unimportable_module_are_refused_before_work(tmp_path):
@@ -54,20 +58,6 @@ def test_unknown_algorithm_and_unimportable_module_are_refused_before_work(tmp_p
     assert proc.returncode == 2 and "algorithm.rollout_correction='is' is unknown; choose one of none, tis, mis" \
         in proc.stderr
     assert not (tmp_path / "runs").exists() and not list(tmp_path.glob("**/metrics.jsonl"))
-
-
-@pytest.mark.slow  # ~1 min: a local Ray cluster, 3 GRPO-shaped steps
-def test_plugin_policy_loss_trains_by_name(tmp_path):
-    """The loss is registered only in the user's module: the actor's Ray workers must import it to run it."""
-    run_dir = tmp_path / "run"
-    proc = _train(tmp_path, "algorithm.name=plugin_capped_reinforce", "algorithm.module=algorithm_plugin",
-                  "trainer.steps=3", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for r in records:  # a stat only this loss reports (ppo's would not): the plugin's loss ran in the workers
-        assert 0.9 < r["actor/plugin_is_weight"] <= 1.2 + 1e-6, r
-        assert r["actor/pg_loss"] == r["actor/pg_loss"] and r["actor/clipfrac"] >= 0.0, r
 
 
 def _inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
