@@ -59,6 +59,22 @@ def test_check_imports_nothing_it_does_not_need():
     assert rc == 0 and imported == [], (proc.stderr[-2000:], imported)
 
 
+def test_a_tokenizer_transformers_saved_loads_without_the_model_classes(tmp_path):
+    """transformers 5 saves a fast tokenizer's class as TokenizersBackend (a made teacher's or a user's checkpoint):
+    it loads as the same tokenizer without importing every model class (before: opd_tiny's --check took ~2 s
+    more than the default's)."""
+    from hybridrl.data.tokenizer import load_tokenizer
+
+    load_tokenizer(None).save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    program = ("import json, sys\nfrom hybridrl.data.tokenizer import load_tokenizer\n"
+               f"t = load_tokenizer({str(tmp_path)!r})\n"
+               "print(json.dumps([t('abc xyz').input_ids, 'transformers.models.auto.modeling_auto' in sys.modules]))")
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    ids, imported_auto = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ids == load_tokenizer(None)("abc xyz").input_ids and not imported_auto, proc.stderr[-2000:]
+
+
 def test_ray_start_timeout_is_one_line(monkeypatch):
     import ray
 

@@ -89,8 +89,10 @@ def load_tokenizer(path: str | Path | None = None):
             f"no tokenizer in {str(directory)!r} (expected tokenizer.json / tokenizer_config.json; "
             "create the bundled one with `python -m hybridrl.data.make_task`)"
         )
-    if _tokenizer_class(directory) == "PreTrainedTokenizerFast":  # what AutoTokenizer returns for it, without
-        from transformers import PreTrainedTokenizerFast        # importing every model class (~2 s)
+    # what AutoTokenizer returns for these, without importing every model class (~2 s); transformers 5 saves the
+    # fast tokenizer's class as TokenizersBackend (PreTrainedTokenizerFast is its alias)
+    if _tokenizer_class(directory) in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
     from transformers import AutoTokenizer
