@@ -199,3 +199,33 @@ def test_temp_folders_of_killed_runs_are_reaped(tmp_path):
         holder.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hrl-alive", "hrl-foreign"]
     assert reap_stale_temp_dirs(str(tmp_path)) == [str(tmp_path / "hrl-alive")]  # its driver is gone now
+
+
+_SIGNALLED = """
+import os, signal, sys, time
+from hybridrl.controller import interrupts
+interrupts.REPEAT_WINDOW_S = 0.5
+with interrupts.stop_on_signals():
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the batch script's copy of the same stop
+    if sys.argv[1] == "hung":  # the shutdown hangs; the operator signals again later
+        time.sleep(0.7)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    try:
+        interrupts.raise_if_requested()
+    except interrupts.Interrupted as stop:
+        print("interrupted", stop.exit_code)
+"""
+
+
+@pytest.mark.parametrize("case", ["twice", "hung"])
+def test_a_stop_delivered_twice_is_one_stop_and_a_later_one_forces(case):
+    """Slurm's time limit and scancel signal every process of the job, and the batch script forwards its own
+    SIGTERM to the trainer: the two arrive together and are one stop (before: the second killed the driver
+    before its one line). A signal after REPEAT_WINDOW_S still forces a hung shutdown."""
+    proc = subprocess.run([sys.executable, "-c", _SIGNALLED, case], capture_output=True, text=True, timeout=120)
+    if case == "twice":
+        assert proc.returncode == 0 and proc.stdout == "interrupted 143\n", (proc.returncode, proc.stderr[-2000:])
+    else:
+        assert proc.returncode == -signal.SIGTERM and proc.stdout == "", (proc.returncode, proc.stderr[-2000:])

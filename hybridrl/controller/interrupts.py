@@ -5,7 +5,10 @@ by a handler there comes out as a SystemError ("GetTimeoutError returned a resul
 that polling code takes for a timeout. Ray's `init` also replaces the SIGTERM handler with `sys.exit(15)`,
 which tears the process down mid-call (exit 134 and a C++ stack dump). So `stop_on_signals()`, entered after
 Ray is up, only records the signal; the controller's wait loop (`raise_if_requested`, every 0.5 s) raises
-it. A second signal gets the default behaviour, so a stuck shutdown can still be forced.
+it. The same stop often arrives twice within milliseconds (Slurm signals every process of the job, and the
+batch script forwards its own copy to the trainer; a group signal and a supervisor's): a repeat within
+REPEAT_WINDOW_S of the first is that same stop and is ignored (before, it killed the driver before its one
+line). A signal after that gets the default behaviour, so a stuck shutdown can still be forced.
 
 `stop_on_signals(defer_s=S)` (trainer.save_on_signal) holds the signal back for up to S seconds: the wait loop
 lets the calls in flight finish, and the trainer, between steps, sees `pending()` and saves one more checkpoint
@@ -13,13 +16,16 @@ before it raises; past S seconds the loop raises wherever it is (the scheduler's
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from contextlib import contextmanager
 from typing import Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_WINDOW_S = 2.0  # a signal this soon after the first is the same stop delivered twice
 _requested: list[tuple[int, float]] = []  # the signal received and not yet raised, and when
+_first_at: list[float] = []  # when this run's first signal came (kept after it is raised)
 _defer_s: list[float] = []  # while set: how long a received signal may wait for the step and its save
 
 
@@ -61,10 +67,19 @@ def raise_pending() -> None:
 def stop_on_signals(defer_s: float | None = None) -> Iterator[None]:
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
 
-    def on_signal(signum, _frame):
-        for sig in SIGNALS:  # the next one is not caught: a hung shutdown can be forced
-            signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
-        _requested.append((signum, time.monotonic()))
+    def on_signal(signum, frame):
+        now = time.monotonic()
+        if _first_at and now - _first_at[0] < REPEAT_WINDOW_S:
+            return  # the same stop, delivered twice
+        if _first_at:  # a later one forces a hung shutdown: what the signal does by default
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+            if signum == signal.SIGINT:
+                signal.default_int_handler(signum, frame)
+            os.kill(os.getpid(), signum)
+            return
+        _first_at.append(now)
+        _requested.append((signum, now))
 
     for sig in SIGNALS:
         signal.signal(sig, on_signal)
@@ -76,5 +91,6 @@ def stop_on_signals(defer_s: float | None = None) -> Iterator[None]:
     finally:
         _requested.clear()
         _defer_s.clear()
+        _first_at.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
