@@ -5,7 +5,8 @@
   log-probs and a LoRA reward model's scores (its trained score head from modules_to_save) equal peft's (1e-4);
 - `hybridrl convert --from peft --to hf --merge-lora` writes a model with peft's logits;
 - adapters on a mixture-of-experts model's experts (expert parallel 2) give the log-probs transformers gives with
-  W + BA written into every adapted tensor.
+  W + BA written into every adapted tensor, and their gradients (every EP rank's experts', the dense ones) equal
+  transformers' through W + BA with A, B leaves.
 
 One pool for the module. The initial adapters are a peft adapter folder (A kaiming, B random so
 both factors get gradients) loaded as lora.init; one policy-gradient step with SGD (the change of each factor is lr x its
@@ -47,6 +48,20 @@ def _rollouts(vocab: int = 64, rows: int = 8):
                   "response_mask": response_mask, "advantages": advantages.float()})
 
 
+def _policy_gradient_loss(forward, data) -> torch.Tensor:
+    """The token-mean on-policy policy-gradient loss (ratio 1) the Megatron update minimises, from a transformers
+    forward(input_ids=..., attention_mask=..., position_ids=...) -> logits."""
+    prompts, responses = data["prompts"], data["responses"]
+    ids, mask = torch.cat([prompts, responses], 1), data["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = forward(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    log_probs = torch.log_softmax(logits[:, prompts.shape[1] - 1:-1], -1)
+    log_probs = log_probs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    response_mask = data["response_mask"].float()
+    ratio = torch.exp(log_probs - log_probs.detach())
+    return (-(data["advantages"] * ratio) * response_mask).sum() / response_mask.sum()
+
+
 def _peft_gradients(base: str, adapter_dir: str, data) -> dict[str, torch.Tensor]:
     """d(token-mean policy-gradient loss) / d(each LoRA factor) in transformers + peft, by peft key."""
     from peft import PeftModel
@@ -54,16 +69,34 @@ def _peft_gradients(base: str, adapter_dir: str, data) -> dict[str, torch.Tensor
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter_dir,
                                       is_trainable=True)
-    prompts, responses = data["prompts"], data["responses"]
-    ids, mask = torch.cat([prompts, responses], 1), data["attention_mask"]
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
-    log_probs = torch.log_softmax(logits[:, prompts.shape[1] - 1:-1], -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    response_mask = data["response_mask"].float()
-    ratio = torch.exp(log_probs - log_probs.detach())
-    loss = (-(data["advantages"] * ratio) * response_mask).sum() / response_mask.sum()
-    loss.backward()
+    _policy_gradient_loss(model, data).backward()
     return {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _merged_gradients(base: str, factors: dict, data) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{HF module: (dL/dA, dL/dB)} of the same loss in transformers with every adapted weight W + (alpha / r) B A,
+    A and B leaves (peft cannot adapt transformers 5's fused experts): the experts' gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I] rebuilt from each expert's merged gate / up / down by torch.func.functional_call."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    weights = dict(model.named_parameters())
+    leaves = {m: (a.clone().requires_grad_(True), b.clone().requires_grad_(True)) for m, (a, b) in factors.items()}
+    merged = {m: (ALPHA / RANK) * b @ a for m, (a, b) in leaves.items()}
+    params = {f"{m}.weight": weights[f"{m}.weight"] + delta for m, delta in merged.items() if ".experts." not in m}
+    for layer in sorted({m.split(".experts.")[0] for m in merged if ".experts." in m}):
+        gate_up, down = weights[f"{layer}.experts.gate_up_proj"], weights[f"{layer}.experts.down_proj"]
+        expert = [f"{layer}.experts.{e}" for e in range(gate_up.shape[0])]
+        params[f"{layer}.experts.gate_up_proj"] = gate_up + torch.stack(
+            [torch.cat([merged[f"{x}.gate_proj"], merged[f"{x}.up_proj"]]) for x in expert])
+        params[f"{layer}.experts.down_proj"] = down + torch.stack([merged[f"{x}.down_proj"] for x in expert])
+    assert len(params) == len([m for m in merged if ".experts." not in m]) + 2  # every adapted tensor replaced
+
+    def forward(**inputs):
+        return torch.func.functional_call(model, params, (), inputs)
+
+    _policy_gradient_loss(forward, data).backward()
+    return {m: (a.grad, b.grad) for m, (a, b) in leaves.items()}
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +178,10 @@ def _peft_folders_as_models(lm_adapter: str, rm_adapter: str, data) -> dict:
 def _moe_adapters(moe_dir: str, folder: str, data) -> dict:
     """Adapters on every linear of a Qwen3-MoE model (its experts' included) at expert parallel 2 (TP=1, DP=4):
     rank 0 writes the adapters with random B as a PEFT folder (whole factors by HF module), every rank loads them
-    as lora.init into its own experts, and the response log-probs come back."""
+    as lora.init into its own experts; the response log-probs come back, and each rank's factors' gradients
+    (by HF module) from one SGD policy-gradient step."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     from hybridrl.config import LoraConfig, OptimConfig
     from hybridrl.models.lora_io import gather_adapter_factors
@@ -154,6 +189,7 @@ def _moe_adapters(moe_dir: str, folder: str, data) -> dict:
     from hybridrl.parallel.distributed import initialize_model_parallel
     from hybridrl.parallel.layout import ParallelLayout
     from hybridrl.workers.megatron_model import MegatronModel
+    from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms
     from hybridrl.workers.policy import response_log_probs as megatron_log_probs
 
     initialize_model_parallel(ParallelLayout(tp=1, dp=4, ep=2))
@@ -166,10 +202,30 @@ def _moe_adapters(moe_dir: str, folder: str, data) -> dict:
         factors = {m: (a, torch.randn(b.shape, generator=g) * 0.05) for m, (a, b) in sorted(gathered[0].items())}
         write_peft_adapter(folder, factors, rank=RANK, alpha=ALPHA, base=moe_dir)
     dist.barrier()
-    model = MegatronModel(moe_dir, optim=optim, lora=LoraConfig(init=folder))
+    sgd = OptimConfig(optimizer="sgd", lr=LR, clip_grad=1e9, use_distributed_optimizer=False)
+    model = MegatronModel(moe_dir, optim=sgd, lora=LoraConfig(init=folder))
     log_probs = model.forward(data, lambda mb, out: megatron_log_probs(mb, out, model.vocab_size, model.tp_group)[0],
                               {"response_mask": data["response_mask"]})
-    return {"log_probs": log_probs, "factors": factors}
+    # one SGD step on this DP rank's share (the loss: the token mean over the whole batch): each of this rank's
+    # factors (its dense adapters, its EP rank's experts' adapters) moves by LR x its gradient
+    before = _local_factors(model.model)
+    share = data.chunk(4)[ps.get_data_parallel_rank()]
+    metrics = model.train_step(share, lambda mb, out: actor_loss_terms(mb, out, model.vocab_size, None,
+                                                                       PolicyLossConfig()),
+                               {k: share[k] for k in ("response_mask", "advantages")})
+    grads = {m: tuple((x0 - x1) / LR for x0, x1 in zip(before[m], after))
+             for m, after in _local_factors(model.model).items()}
+    return {"log_probs": log_probs, "factors": factors, "grads": grads, "grad_norm": metrics["grad_norm"],
+            "ep_rank": ps.get_expert_model_parallel_rank()}
+
+
+def _local_factors(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{HF module: (A, B)} of this rank's adapters (TP=1: whole factors), copied."""
+    from hybridrl.models.builder import unwrap
+    from hybridrl.models.lora import adapters_of
+
+    return {module: tuple(adapter.local_factor(part, f).detach().clone() for f in ("A", "B"))
+            for adapter in adapters_of(unwrap(model)) for part, module in adapter.hf_modules.items()}
 
 
 def _suite(base: str, adapter_dir: str, data, lm_adapter: str, rm_adapter: str, moe: tuple[str, str]) -> dict:
@@ -245,7 +301,9 @@ def test_peft_adapter_folders_stand_where_models_do(updates, peft_adapter, peft_
 
 def test_adapters_on_experts_equal_merged_weights_in_transformers(updates, moe_model, tmp_path):
     """Experts' adapters at expert parallel 2: the log-probs equal transformers' on the checkpoint with
-    W + (alpha / r) B A written into each adapted tensor (dense and expert projections alike, by HF name)."""
+    W + (alpha / r) B A written into each adapted tensor (dense and expert projections alike, by HF name); one
+    SGD update moves every EP rank's factors (its experts' and the dense ones) by LR x the gradient transformers
+    computes through W + (alpha / r) B A with A, B leaves (relative 1e-4), and the grad norm is the reference's."""
     import json
     import shutil
 
@@ -274,6 +332,22 @@ def test_adapters_on_experts_equal_merged_weights_in_transformers(updates, moe_m
         assert (rank_result["moe"]["log_probs"] * data["response_mask"] - expected).abs().max() <= 1e-4
     base = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     assert (response_log_probs(base, data) - expected).abs().max() > 1e-3  # the adapters change the model
+    # one update: every rank's factors (dense on all, each EP rank's two experts) moved by LR x the gradient
+    # transformers gives with A and B leaves inside W + (alpha / r) B A
+    reference = _merged_gradients(moe_dir, factors, data)
+    seen = set()
+    for rank_result in updates:
+        grads, ep_rank = rank_result["moe"]["grads"], rank_result["moe"]["ep_rank"]
+        mine = {m for m in experts if int(m.split(".experts.")[1].split(".")[0]) // 2 == ep_rank}
+        assert set(grads) == (set(factors) - set(experts)) | mine, ep_rank  # dense + this EP rank's 2 experts
+        for module, pair in grads.items():
+            for factor, got_grad, want in zip("AB", pair, reference[module]):
+                assert want.abs().max() > 0, (module, factor)
+                assert (got_grad - want).abs().max() <= 1e-4 * want.abs().max(), (module, factor)
+        seen |= mine
+        norm = torch.sqrt(sum(g.square().sum() for pair in reference.values() for g in pair)).item()
+        assert rank_result["moe"]["grad_norm"] == pytest.approx(norm, rel=1e-4)  # experts counted once, over EP
+    assert seen == set(experts)
 
 
 def test_convert_merges_a_peft_adapter_into_a_hugging_face_model(peft_adapter, peft_models, tmp_path, capsys):

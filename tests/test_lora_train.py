@@ -4,7 +4,8 @@
   with no reference model started: the reference log-probs are the actor's own with the adapters off;
 - every kind of run that updates an actor takes LoRA: ReMax (greedy baseline) over multi-turn episodes, PPO with a
   LoRA critic (its value head trained beside the adapters), GSPO with generation on a pool of its own two batches
-  ahead (async); two steps each, finite and moving (tests/test_lora_plan.py plans every registered algorithm);
+  ahead (async), Safe-RLHF with both critics (reward, cost) on LoRA and its Lagrange multiplier; two steps each,
+  finite and moving (tests/test_lora_plan.py plans every registered algorithm);
 - a PPO run with LoRA actor and critic checkpoints adapters only (PEFT folders, the critic's with its value head),
   resumes exactly (step 3 after a resume from step 2 equals the uninterrupted run's), and its actor's adapters
   convert to a PEFT folder (`hybridrl convert --from ckpt --to peft`) and to a merged model (`--to hf --merge-lora`)
@@ -30,13 +31,16 @@ SMALL = ["trainer.steps=2", "data.batch_size=4", "rollout.max_new_tokens=8", "ac
 LEARNING_STEPS, FIRST_BELOW, LAST5_ABOVE = 12, 0.3, 0.7  # measured: 0.10 at step 1, last five 0.72-1.0
 
 
-def _run(config: str | None, overrides: list[str]) -> tuple[RLTrainer, list[dict]]:
+def _run(config: str | None, overrides: list[str], inspect=None) -> tuple[RLTrainer, list[dict]]:
+    """The run's steps; inspect(trainer), if given, runs on the started roles after the last step."""
     cfg = load_config(config, overrides)
     trainer = RLTrainer(cfg, plan_run(cfg))
     try:
         trainer.start()
         history = [trainer.train_step() for _ in range(cfg.trainer.steps)]
         roles = set(trainer.roles)
+        if inspect is not None:
+            inspect(trainer)
     finally:
         trainer.close()
     trainer.started_roles = roles
@@ -66,17 +70,58 @@ CASES = {
     # on-policy distillation: the teacher's log-probs against the LoRA student's (the tiny judge, another LM of
     # the same vocabulary, as the teacher: it differs from the student from the first step)
     "opd": ["algorithm.distill.teacher=tiny:charset_judge"],
+    # Safe-RLHF: the reward critic and the cost critic (built from critic.*) both on LoRA beside the LoRA actor,
+    # the Lagrange multiplier driven by the rule cost (digit_cost)
+    "safe_rlhf": ["critic.lora.rank=4", "rollout.n=2"],
 }
-CONFIG_OF = {"opd": "opd_tiny"}  # the others: the default config
+CONFIG_OF = {"opd": "opd_tiny", "safe_rlhf": "safe_rlhf_tiny"}  # the others: the default config
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_lora_runs_every_kind_of_actor_update(ray_two_devices, case):
-    trainer, history = _run(CONFIG_OF.get(case), SMALL + CASES[case])
+def test_lora_runs_every_kind_of_actor_update(ray_two_devices, case, tmp_path):
+    saved = {}
+
+    def save_critics(trainer):  # the critics' checkpoints show what they train (Safe-RLHF's two)
+        for role in ("critic", "cost_critic"):
+            trainer.roles[role].save_checkpoint(str(tmp_path / role))
+            saved[role] = tmp_path / role
+
+    trainer, history = _run(CONFIG_OF.get(case), SMALL + CASES[case], save_critics if case == "safe_rlhf" else None)
     assert trainer.plan.lora["actor"].rank == 4
     for h in history:
         assert math.isfinite(h["reward_mean"]) and h["actor/update_ok"] == 1.0
         assert h["actor/grad_norm"] > 0
+    if case == "safe_rlhf":
+        _check_safe_rlhf(trainer, history, saved)
+
+
+def _check_safe_rlhf(trainer, history: list[dict], saved: dict) -> None:
+    """Both critics trained their adapters (and value heads) only; the multiplier moved by this run's costs."""
+    from megatron.core import dist_checkpointing
+
+    from hybridrl.models.peft import read_peft_adapter
+
+    assert trainer.plan.lora["critic"].rank == 4 and {"critic", "cost_critic"} <= trainer.started_roles
+    assert "ref" not in trainer.started_roles  # the KL's reference: the actor's adapters off
+    alg = trainer.cfg.algorithm
+    for h in history:
+        for critic in ("critic/", "cost_critic/"):  # each critic's own optimizer step, finite and taken
+            assert h[f"{critic}value_loss"] > 0 and math.isfinite(h[f"{critic}value_loss"]), critic
+        assert h["grad_norm"] > 0 and h["update_ok"] == 1.0  # the reward critic's
+        assert h["cost_critic/grad_norm"] > 0 and h["cost_critic/update_ok"] == 1.0
+        assert h["cost_critic/grad_norm"] != h["grad_norm"]  # two critics, two updates
+        assert 0.0 <= h["cost_mean"] <= 1.0 and math.isfinite(h["lagrange_multiplier"])
+    # the logged multiplier is the one the step used: 1.0 (lagrangian_init), then one log-space ascent step
+    assert history[0]["lagrange_multiplier"] == alg.lagrangian_init == 1.0
+    expected = math.exp(alg.lagrangian_lr * 1.0 * (history[0]["cost_mean"] - alg.cost_limit))
+    assert history[1]["lagrange_multiplier"] == pytest.approx(expected, rel=1e-12)
+    for role, folder in saved.items():
+        adapter = read_peft_adapter(folder / "adapter")
+        assert adapter.rank == 4 and "score.weight" in adapter.saved and not (folder / "model").exists(), role
+        # the optimizer's state: the adapters and the value head, nothing of the frozen base
+        keys = list(dist_checkpointing.load_tensors_metadata(str(folder / "optimizer")))
+        trained = [k for k in keys if ".lora." not in k and "output_layer" not in k]
+        assert keys and not trained, (role, trained[:5])
 
 
 PPO = SMALL + ["algorithm.name=ppo", "actor.parallel.tp=1", "actor.parallel.pp=2", "rollout.tp=1", "critic.lora.rank=4", "algorithm.ppo_epochs=2",

@@ -331,7 +331,8 @@ class RLTrainer:
                 if "cost_critic" in roles:
                     cost_metrics = roles["cost_critic"].update(out, result.cost_returns, step.cost_values,
                                                                alg.value_clip, minis, epochs)
-                    metrics.update({k.replace("critic/", "cost_critic/"): v for k, v in cost_metrics.items()})
+                    # every key its own: the critic's unprefixed grad_norm / update_ok / lr stay the critic's
+                    metrics.update({f"cost_critic/{k.removeprefix('critic/')}": v for k, v in cost_metrics.items()})
         with timer("actor_update"):
             kl_loss = self.plan.step.kl_loss
             metrics.update({f"actor/{k}" if "/" not in k else k: v for k, v in roles["actor"].update(
