@@ -107,9 +107,9 @@ def _check_safe_rlhf(trainer, history: list[dict], saved: dict) -> None:
     for h in history:
         for critic in ("critic/", "cost_critic/"):  # each critic's own optimizer step, finite and taken
             assert h[f"{critic}value_loss"] > 0 and math.isfinite(h[f"{critic}value_loss"]), critic
-        assert h["grad_norm"] > 0 and h["update_ok"] == 1.0  # the reward critic's
+        assert h["critic/grad_norm"] > 0 and h["critic/update_ok"] == 1.0  # the reward critic's
         assert h["cost_critic/grad_norm"] > 0 and h["cost_critic/update_ok"] == 1.0
-        assert h["cost_critic/grad_norm"] != h["grad_norm"]  # two critics, two updates
+        assert h["cost_critic/grad_norm"] != h["critic/grad_norm"]  # two critics, two updates
         assert 0.0 <= h["cost_mean"] <= 1.0 and math.isfinite(h["lagrange_multiplier"])
     # the logged multiplier is the one the step used: 1.0 (lagrangian_init), then one log-space ascent step
     assert history[0]["lagrange_multiplier"] == alg.lagrangian_init == 1.0
@@ -146,7 +146,7 @@ def test_ppo_with_lora_actor_and_critic_checkpoints_adapters_and_resumes_exactly
     from hybridrl.models.peft import read_peft_adapter
 
     whole = _train_cli(PPO + [f"trainer.run_dir={tmp_path / 'a'}", "trainer.progress_bar=false"])
-    assert all(h["grad_norm"] > 0 and math.isfinite(h["critic/value_loss"]) for h in whole)  # the critic trains
+    assert all(h["critic/grad_norm"] > 0 and math.isfinite(h["critic/value_loss"]) for h in whole)  # the critic trains
     step2 = tmp_path / "a" / "ckpt" / "step_2"
     assert (step2 / "actor" / "adapter" / "adapter_config.json").is_file() and not (step2 / "actor" / "model").exists()
     critic = next(p for p in step2.iterdir() if p.name.startswith("critic"))

@@ -327,11 +327,13 @@ class RLTrainer:
         epochs, minis, metrics = self.plan.step.epochs, self.plan.step.mini_batches, step.metrics
         if "critic" in roles:
             with timer("critic"):
-                metrics.update(roles["critic"].update(out, result.returns, step.values, alg.value_clip, minis, epochs))
+                critic_metrics = roles["critic"].update(out, result.returns, step.values, alg.value_clip, minis,
+                                                        epochs)
+                # every key under its role (the update's own grad_norm / update_ok / lr come unprefixed)
+                metrics.update({f"critic/{k.removeprefix('critic/')}": v for k, v in critic_metrics.items()})
                 if "cost_critic" in roles:
                     cost_metrics = roles["cost_critic"].update(out, result.cost_returns, step.cost_values,
                                                                alg.value_clip, minis, epochs)
-                    # every key its own: the critic's unprefixed grad_norm / update_ok / lr stay the critic's
                     metrics.update({f"cost_critic/{k.removeprefix('critic/')}": v for k, v in cost_metrics.items()})
         with timer("actor_update"):
             kl_loss = self.plan.step.kl_loss
