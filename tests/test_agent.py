@@ -182,8 +182,8 @@ def test_ppo_with_a_critic_on_vllm_served_agent_runs_that_split(devices, head_di
     """rollout.engine=vllm serves the endpoint: an AsyncOpenAI agent makes three requests and rewrites its history
     before the third (every run: two trajectories), and PPO with its critic trains on the runs for 2 steps. Each
     row is exactly the token ids vLLM consumed and produced, the mask on the model's tokens only, the rollout
-    log-probs vLLM's (the trainer's within 0.05 of them); GAE on the critic's values skips the observations and
-    the context-only prompt of the split trajectory; critic and actor updated."""
+    log-probs vLLM's (the trainer's within 1e-3 of them, fp32: measured 5e-7); GAE on the critic's values leaves
+    the observations out; the critic and the actor updated."""
     from hybridrl.data.tasks import charset_reward
     from hybridrl.roles.actor import Actor
     from hybridrl.roles.critic import Critic
@@ -249,8 +249,8 @@ def test_ppo_with_a_critic_on_vllm_served_agent_runs_that_split(devices, head_di
             assert split[0][3] == pytest.approx(third["log_probs"], abs=1e-6)
         # the trainer's log-probs of the rows (Megatron, the weights vLLM generated with) against vLLM's
         mask = rollout.mask
-        assert ((trainer_log_probs - rollout.log_probs) * mask).abs().max().item() < 0.05
-        assert 0.0 <= metrics["mismatch/log_prob_diff"] < 0.05
+        assert ((trainer_log_probs - rollout.log_probs) * mask).abs().max().item() < 1e-3
+        assert 0.0 <= metrics["mismatch/log_prob_diff"] < 1e-3
         # every trajectory of a run gets the run's reward (the agent's: its third answer's charset score)
         rewards = [charset_reward(run["prompt"], trainer.tokenizer.decode(run["responses"][2]["token_ids"],
                                                                            skip_special_tokens=True)) for run in runs]
