@@ -30,6 +30,12 @@ async def three_requests(client: Any, row: dict) -> float:
     return charset_reward(row["prompt"], choice.message.content or "")
 
 
+async def edits_history(client: Any, row: dict) -> float:
+    """three_requests on every row with its history edit: three requests, the third rewriting the second
+    observation (each run splits into two trajectories)."""
+    return await three_requests(client, {**row, "edit": True})
+
+
 async def turns_like_the_env(client: Any, row: dict) -> float:
     """The conversation tests/test_agent.py's TurnsEnv makes: the model answers, sees "digits:" / "vowels:",
     three turns."""

@@ -2,8 +2,9 @@
 exactly the tokens the engine consumed and produced (checked token by token, log-probs included), the same
 conversation through rollout.env and through the endpoint gives identical token ids and masks, the trainer runs
 agent rollouts that split on a rollout pool of its own, one step off with partial rollouts (each token's policy
-version recorded), and the bundled agent config learns its task. (Agent rows have the layout of rollout.env's
-episodes, which every algorithm trains on in tests/test_multiturn.py.)"""
+version recorded), PPO with its critic trains on split runs that vLLM served (token by token against vLLM's output),
+and the bundled agent config learns its task. (Agent rows have the layout of rollout.env's episodes, which every
+algorithm trains on in tests/test_multiturn.py.)"""
 from __future__ import annotations
 
 import math
@@ -68,6 +69,19 @@ def _runner(actor, agent: str, limits: TraceLimits) -> AgentRunner:
     return AgentRunner(agent, settings, actor.tokenizer, True, limits, "tiny")
 
 
+def _trajectories(rollout) -> list[tuple]:
+    """Each row without its padding: (prompt ids, tokens after it, response mask, rollout log-probs, versions)."""
+    seqs, width = rollout.sequences, rollout.sequences["prompts"].shape[1]
+    rows = []
+    for i in range(len(rollout)):
+        prompt = seqs["prompts"][i][seqs["attention_mask"][i, :width].bool()].tolist()
+        real_tokens = seqs["attention_mask"][i, width:].bool()
+        rows.append((prompt, seqs["responses"][i][real_tokens].tolist(), seqs["response_mask"][i][real_tokens].tolist(),
+                     seqs["rollout_log_probs"][i][real_tokens].tolist(),
+                     seqs["policy_versions"][i][real_tokens].tolist()))
+    return rows
+
+
 def test_an_agent_run_trains_on_exactly_the_served_tokens(actor, monkeypatch):
     """3 requests per run, 2 runs per row (sampling); the rows with "edit" rewrite the history before their third
     request. Every request's prompt ids are what the engine got, its tokens what the engine returned; the
@@ -90,17 +104,9 @@ def test_an_agent_run_trains_on_exactly_the_served_tokens(actor, monkeypatch):
                                                {"prompt": "vowels: b", "edit": True}]), [{"seed": 11}], version=5)
     finally:
         runner.close()
-    seqs, width = rollout.sequences, rollout.sequences["prompts"].shape[1]
     assert len(SERVED) == 6 and len(rollout) == 4 + 2 * 2  # the two edited runs split into two trajectories
-    assert list(seqs.non_tensors["group_index"]) == [0, 0, 1, 1, 2, 2, 2, 2]
-    trajectories = []
-    for i in range(len(rollout)):
-        prompt = seqs["prompts"][i][seqs["attention_mask"][i, :width].bool()].tolist()
-        real_tokens = seqs["attention_mask"][i, width:].bool()
-        trajectories.append((prompt, seqs["responses"][i][real_tokens].tolist(),
-                             seqs["response_mask"][i][real_tokens].tolist(),
-                             seqs["rollout_log_probs"][i][real_tokens].tolist(),
-                             seqs["policy_versions"][i][real_tokens].tolist()))
+    assert list(rollout.sequences.non_tensors["group_index"]) == [0, 0, 1, 1, 2, 2, 2, 2]
+    trajectories = _trajectories(rollout)
     for run in SERVED:
         served = run["responses"]
         for request in served:  # the engine consumed the prompt ids and produced the tokens served
@@ -169,6 +175,98 @@ def test_remax_one_step_off_on_a_rollout_pool_with_partial_rollouts(devices):
         assert 1.0 < metrics["agent/trajectories_mean"] < 2.0 and "baseline_reward_mean" in metrics  # odd ids split
         assert 0.0 <= metrics["async/staleness_mean"] <= metrics["async/staleness_max"] <= 1.0
     assert history[0]["async/staleness_max"] == 0.0 and history[1]["async/staleness_max"] == 1.0
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_on_vllm_served_agent_runs_that_split(devices, head_dim_32_model, monkeypatch):
+    """rollout.engine=vllm serves the endpoint: an AsyncOpenAI agent makes three requests and rewrites its history
+    before the third (every run: two trajectories), and PPO with its critic trains on the runs for 2 steps. Each
+    row is exactly the token ids vLLM consumed and produced, the mask on the model's tokens only, the rollout
+    log-probs vLLM's (the trainer's within 1e-3 of them, fp32: measured 5e-7); GAE on the critic's values leaves
+    the observations out; the critic and the actor updated."""
+    from hybridrl.data.tasks import charset_reward
+    from hybridrl.roles.actor import Actor
+    from hybridrl.roles.critic import Critic
+    from test_trainer_e2e import expected_advantages, spy_on_advantages
+
+    engine_io: dict[tuple, list[tuple[list[int], list[float]]]] = {}  # prompt ids -> (tokens, log-probs) vLLM gave
+    trained, critic_updates = [], []
+    real_turn, real_log_probs, real_critic_update = Actor.generate_turn, Actor.compute_log_probs, Critic.update
+
+    def generate_turn(self, prompt_ids, params):
+        out = real_turn(self, prompt_ids, params)
+        for ids, tokens, log_probs, keep in zip(prompt_ids, out["responses"], out["rollout_log_probs"],
+                                                out["response_mask"].bool()):
+            engine_io.setdefault(tuple(ids), []).append((tokens[keep].tolist(), log_probs[keep].tolist()))
+        return out
+
+    def compute_log_probs(self, sequences):
+        log_probs = real_log_probs(self, sequences)
+        trained.append((sequences, log_probs))
+        return log_probs
+
+    def critic_update(self, *args, **kwargs):
+        critic_updates.append(real_critic_update(self, *args, **kwargs))
+        return critic_updates[-1]
+
+    monkeypatch.setattr(Actor, "generate_turn", generate_turn)
+    monkeypatch.setattr(Actor, "compute_log_probs", compute_log_probs)
+    monkeypatch.setattr(Critic, "update", critic_update)
+    inputs, fed = spy_on_advantages(monkeypatch)
+    SERVED.clear()
+    trainer, history = _train(["algorithm.name=ppo", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=2",
+                               "rollout.engine=vllm", f"actor.model.path={head_dim_32_model}", "actor.parallel.tp=2",
+                               "rollout.tp=1", "rollout.n=1", "rollout.agent=agent_programs:edits_history",
+                               "data.chat_template=true", "rollout.max_turns=3"])
+    assert trainer.step == 2 and trainer.plan.rollout.engine == "vllm" and "critic" in trainer.plan.roles
+    assert len(SERVED) == 8 and len(trained) == len(inputs) == len(fed) == len(critic_updates) == 2
+    for step, ((rollout, trainer_log_probs), x, advantages, critic, metrics) in enumerate(
+            zip(trained, inputs, fed, critic_updates, history)):
+        runs = SERVED[4 * step:4 * (step + 1)]  # a step's runs all end before the next step's start
+        assert len(rollout) == 8 and list(rollout.sequences.non_tensors["group_index"]) == [0, 0, 1, 1, 2, 2, 3, 3]
+        rows = _trajectories(rollout)
+        for run in runs:
+            first, second, third = run["responses"]
+            for request in run["responses"]:  # served: what vLLM consumed and produced, its log-probs
+                got = [lp for tokens, lp in engine_io[tuple(request["prompt_ids"])] if tokens == request["token_ids"]]
+                assert got and request["log_probs"] == pytest.approx(got[0], abs=1e-6) and request["version"] == step
+            # the run's first trajectory: prompt, answer 1, observation, answer 2; the mask on the answers only
+            mine = [t for t in rows if t[0] == first["prompt_ids"] and [t[1][a:b] for a, b in spans_of_ones(
+                torch.tensor(t[2]))] == [first["token_ids"], second["token_ids"]]]
+            assert len(mine) == 1, run
+            prompt, tokens, mask, log_probs, versions = mine[0]
+            for request, (start, end) in zip((first, second), spans_of_ones(torch.tensor(mask))):
+                assert prompt + tokens[:start] == request["prompt_ids"]
+                assert log_probs[start:end] == pytest.approx(request["log_probs"], abs=1e-6)
+                assert set(versions[start:end]) == {step}
+            assert end == len(tokens) and sum(mask) == len(first["token_ids"]) + len(second["token_ids"])
+            assert all(lp == 0.0 for lp, m in zip(log_probs, mask) if not m) and 0 in mask  # the observation
+            # the edit: a trajectory of its own whose prompt is the served tokens up to answer 1, then the new message
+            split = [t for t in rows if t[0] == third["prompt_ids"]]
+            assert len(split) == 1 and split[0][1] == third["token_ids"] and split[0][2] == [1] * len(split[0][1])
+            assert third["prompt_ids"][:len(first["prompt_ids"]) + len(first["token_ids"])] == \
+                first["prompt_ids"] + first["token_ids"]
+            assert split[0][3] == pytest.approx(third["log_probs"], abs=1e-6)
+        # the trainer's log-probs of the rows (Megatron, the weights vLLM generated with) against vLLM's
+        mask = rollout.mask
+        assert ((trainer_log_probs - rollout.log_probs) * mask).abs().max().item() < 1e-3
+        assert 0.0 <= metrics["mismatch/log_prob_diff"] < 1e-3
+        # every trajectory of a run gets the run's reward (the agent's: its third answer's charset score)
+        rewards = [charset_reward(run["prompt"], trainer.tokenizer.decode(run["responses"][2]["token_ids"],
+                                                                           skip_special_tokens=True)) for run in runs]
+        assert sorted(x["scores"].tolist()) == pytest.approx(sorted(rewards * 2))
+        # GAE with the critic's values: on the model's tokens only
+        assert x["values"] is not None and torch.isfinite(x["values"]).all()
+        assert torch.allclose(advantages, expected_advantages(x), atol=1e-6)
+        assert (advantages * (1 - mask)).abs().sum() == 0 and (advantages * mask).abs().sum() > 0
+        assert critic["update_ok"] == 1.0 and math.isfinite(critic["grad_norm"]) and critic["grad_norm"] > 0
+        assert math.isfinite(critic["critic/value_loss"]) and metrics["critic/value_loss"] > 0
+        assert metrics["actor/update_ok"] == 1.0 and all(math.isfinite(v) for v in metrics.values())
+        assert metrics["agent/requests_mean"] == 3.0 and metrics["agent/trajectories_mean"] == 2.0
+        assert metrics["agent/errors"] == metrics["agent/timeouts"] == metrics["agent/request_errors"] == 0.0
+        assert metrics["agent/tokens_mean"] == sum(len(r["token_ids"]) for run in runs
+                                                   for r in run["responses"]) / 4
+        assert metrics["time/agent"] > 0
 
 
 @pytest.mark.slow
