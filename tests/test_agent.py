@@ -261,6 +261,7 @@ def test_ppo_with_a_critic_on_vllm_served_agent_runs_that_split(devices, head_di
         assert (advantages * (1 - mask)).abs().sum() == 0 and (advantages * mask).abs().sum() > 0
         assert critic["update_ok"] == 1.0 and math.isfinite(critic["grad_norm"]) and critic["grad_norm"] > 0
         assert math.isfinite(critic["critic/value_loss"]) and metrics["critic/value_loss"] > 0
+        assert metrics["critic/update_ok"] == 1.0 and metrics["critic/grad_norm"] == critic["grad_norm"]
         assert metrics["actor/update_ok"] == 1.0 and all(math.isfinite(v) for v in metrics.values())
         assert metrics["agent/requests_mean"] == 3.0 and metrics["agent/trajectories_mean"] == 2.0
         assert metrics["agent/errors"] == metrics["agent/timeouts"] == metrics["agent/request_errors"] == 0.0
