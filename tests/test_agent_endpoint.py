@@ -246,6 +246,14 @@ def test_tool_calls_stop_strings_and_streaming(served):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "don"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop" and chunks[-1].usage
     assert trace.trajectories[-1].tokens == encode("done;")
+    # a request's temperature and top_p reach the engine's sampling (rollout.endpoint.sampling=request); absent,
+    # the rollout's own (here 1.0 / 1.0)
+    other = openai.OpenAI(base_url=served.open_test_run()[1], api_key=served.token, max_retries=0)
+    other.chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}], temperature=0.3, top_p=0.25)
+    asked = served.actor.calls[-1][1]
+    other.chat.completions.create(model="m", messages=[{"role": "user", "content": "z"}])
+    default = served.actor.calls[-1][1]
+    assert (asked.temperature, asked.top_p, default.temperature, default.top_p) == (0.3, 0.25, 1.0, 1.0)
     # completions: token ids in, text out; a later prompt extending the text continues the trajectory
     served.actor.script = lambda prompt: "ou"
     completion = client.completions.create(model="m", prompt=[5, 6, 7], logprobs=0, max_tokens=2)
