@@ -186,6 +186,12 @@ class ActorWorker(_LogProbMixin, CheckpointedRole, Worker):
         self._generating = False
         return time.perf_counter() - start
 
+    @register(Dispatch.ONE_TO_ALL)
+    def engine_state(self) -> dict:
+        """Where this rank's generation stands: the rollout engine's state (rollout/base.py) and whether the hybrid
+        engine holds the generation layout (between steps: asleep, False)."""
+        return {"engine": self.engine.state.value, "in_generation": self.hybrid.in_generation}
+
     def _push_weights(self, gen_model) -> None:
         if self.rollout.engine == "native":
             self.engine.load_weights(None)  # the generation model already holds the new weights

@@ -96,3 +96,10 @@ class JudgeWorker(Worker):
                 self.hybrid.to_training()
         shard = self.groups.gen_shard(self.rank)
         return (replica, out) if shard.gen_tp == 0 else None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def engine_state(self) -> dict:
+        """Where this rank's verdict generation stands: the rollout engine's state (None: it never generates) and
+        whether its hybrid engine holds the generation layout (between calls: asleep, False)."""
+        return {"engine": None if self.engine is None else self.engine.state.value,
+                "in_generation": self.hybrid is not None and self.hybrid.in_generation}
