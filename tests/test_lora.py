@@ -253,6 +253,26 @@ def _moe_adapters_split_over_tp(moe_dir: str, folder: str, data) -> dict:
             "expert_tp": ps.get_expert_tensor_parallel_world_size()}
 
 
+def _experts_tp_refusals(moe_dir: str, folder: str) -> dict:
+    """What building the adapters raises where the experts' linears are split over a TP group that the dense
+    linears do not share (TP=1, expert TP=2, EP=2), and over TP without sequence parallelism (TP=2, EP=1)."""
+    from hybridrl.config import LoraConfig, OptimConfig
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.workers.megatron_model import MegatronModel
+
+    errors = {}
+    for name, layout in (("expert_tp", ParallelLayout(tp=1, dp=4, ep=2, etp=2)), ("no_sp", ParallelLayout(tp=2, dp=2))):
+        initialize_model_parallel(layout)
+        try:
+            MegatronModel(moe_dir, optim=OptimConfig(optimizer="sgd", lr=LR, use_distributed_optimizer=False),
+                          lora=LoraConfig(init=folder))
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
 def _local_factors(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{HF module: (A, B)} of this rank's adapters (TP=1: whole factors; else its TP pieces), copied."""
     from hybridrl.models.builder import unwrap
@@ -267,6 +287,7 @@ def _suite(base: str, adapter_dir: str, data, lm_adapter: str, rm_adapter: str, 
     out["peft_models"] = _peft_folders_as_models(lm_adapter, rm_adapter, data)
     out["moe"] = _moe_adapters(*moe, data)
     out["moe_tp"] = _moe_adapters_split_over_tp(*moe, data)
+    out["moe_tp_refused"] = _experts_tp_refusals(*moe)
     return out
 
 
@@ -428,6 +449,15 @@ def test_adapters_on_experts_split_over_tp_equal_merged_weights_in_transformers(
                 assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (module, factor)
         seen |= mine
     assert seen == experts and split_experts == experts  # every expert's linears were split over TP
+
+
+def test_adapters_on_experts_split_over_a_tp_group_of_their_own_are_refused(updates):
+    """Split experts' replicated factors get their partial gradients summed over the dense TP group when sequence
+    parallelism is on: an expert TP other than the TP, or no sequence parallelism, is refused in one line."""
+    for rank_result in updates:
+        for layout, error in rank_result["moe_tp_refused"].items():
+            assert error is not None and "LoRA on experts split over TP needs sequence parallelism" in error, layout
+            assert "\n" not in error and "leave the experts out of lora.target_modules" in error, layout
 
 
 def test_convert_merges_a_peft_adapter_into_a_hugging_face_model(peft_adapter, peft_models, tmp_path, capsys):
