@@ -219,8 +219,62 @@ def _moe_adapters(moe_dir: str, folder: str, data) -> dict:
             "ep_rank": ps.get_expert_model_parallel_rank()}
 
 
+def _moe_adapters_split_over_tp(moe_dir: str, folder: str, data) -> dict:
+    """The same adapters (the folder _moe_adapters wrote) on the same Qwen3-MoE with its experts' linears split
+    over TP: TP=2 + SP, EP=2, DP=2 (expert TP = TP). The log-probs come back, and this rank's pieces of each
+    factor's change / LR from one SGD step, with the dim along which its TP rank holds them (None: whole)."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.config import LoraConfig, OptimConfig
+    from hybridrl.models.builder import unwrap
+    from hybridrl.models.lora import adapters_of
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.workers.megatron_model import MegatronModel
+    from hybridrl.workers.policy import PolicyLossConfig, actor_loss_terms
+    from hybridrl.workers.policy import response_log_probs as megatron_log_probs
+
+    initialize_model_parallel(ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True))
+    sgd = OptimConfig(optimizer="sgd", lr=LR, clip_grad=1e9, use_distributed_optimizer=False)
+    model = MegatronModel(moe_dir, optim=sgd, lora=LoraConfig(init=folder), sequence_parallel=True)
+    log_probs = model.forward(data, lambda mb, out: megatron_log_probs(mb, out, model.vocab_size, model.tp_group)[0],
+                              {"response_mask": data["response_mask"]})
+    before = _local_factors(model.model)
+    share = data.chunk(2)[ps.get_data_parallel_rank()]
+    metrics = model.train_step(share, lambda mb, out: actor_loss_terms(mb, out, model.vocab_size, model.tp_group,
+                                                                       PolicyLossConfig()),
+                               {k: share[k] for k in ("response_mask", "advantages")})
+    grads = {m: tuple((x0 - x1) / LR for x0, x1 in zip(before[m], after))
+             for m, after in _local_factors(model.model).items()}
+    split = {module: (adapter.split_dim("A"), adapter.split_dim("B"))
+             for adapter in adapters_of(unwrap(model.model)) for module in adapter.hf_modules.values()}
+    return {"log_probs": log_probs, "grads": grads, "split": split, "grad_norm": metrics["grad_norm"],
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank(),
+            "expert_tp": ps.get_expert_tensor_parallel_world_size()}
+
+
+def _experts_tp_refusals(moe_dir: str, folder: str) -> dict:
+    """What building the adapters raises where the experts' linears are split over a TP group that the dense
+    linears do not share (TP=1, expert TP=2, EP=2), and over TP without sequence parallelism (TP=2, EP=1)."""
+    from hybridrl.config import LoraConfig, OptimConfig
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.workers.megatron_model import MegatronModel
+
+    errors = {}
+    for name, layout in (("expert_tp", ParallelLayout(tp=1, dp=4, ep=2, etp=2)), ("no_sp", ParallelLayout(tp=2, dp=2))):
+        initialize_model_parallel(layout)
+        try:
+            MegatronModel(moe_dir, optim=OptimConfig(optimizer="sgd", lr=LR, use_distributed_optimizer=False),
+                          lora=LoraConfig(init=folder))
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
 def _local_factors(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{HF module: (A, B)} of this rank's adapters (TP=1: whole factors), copied."""
+    """{HF module: (A, B)} of this rank's adapters (TP=1: whole factors; else its TP pieces), copied."""
     from hybridrl.models.builder import unwrap
     from hybridrl.models.lora import adapters_of
 
@@ -232,6 +286,8 @@ def _suite(base: str, adapter_dir: str, data, lm_adapter: str, rm_adapter: str, 
     out = {str(kw): _one_update(kw, base, adapter_dir, data) for kw in LAYOUTS}
     out["peft_models"] = _peft_folders_as_models(lm_adapter, rm_adapter, data)
     out["moe"] = _moe_adapters(*moe, data)
+    out["moe_tp"] = _moe_adapters_split_over_tp(*moe, data)
+    out["moe_tp_refused"] = _experts_tp_refusals(*moe)
     return out
 
 
@@ -299,11 +355,11 @@ def test_peft_adapter_folders_stand_where_models_do(updates, peft_adapter, peft_
             assert abs(got["scores"][row].item() - reference(input_ids=sequence).logits[0, 0].item()) <= 1e-4, row
 
 
-def test_adapters_on_experts_equal_merged_weights_in_transformers(updates, moe_model, tmp_path):
-    """Experts' adapters at expert parallel 2: the log-probs equal transformers' on the checkpoint with
-    W + (alpha / r) B A written into each adapted tensor (dense and expert projections alike, by HF name); one
-    SGD update moves every EP rank's factors (its experts' and the dense ones) by LR x the gradient transformers
-    computes through W + (alpha / r) B A with A, B leaves (relative 1e-4), and the grad norm is the reference's."""
+@pytest.fixture(scope="module")
+def moe_reference(updates, moe_model, tmp_path_factory):
+    """The experts' adapters' reference in transformers: (factors, log-probs on the checkpoint with
+    W + (alpha / r) B A written into each adapted tensor, by HF name; {HF module: (dL/dA, dL/dB)} through
+    W + (alpha / r) B A with A, B leaves; their norm)."""
     import json
     import shutil
 
@@ -311,30 +367,39 @@ def test_adapters_on_experts_equal_merged_weights_in_transformers(updates, moe_m
     from transformers import AutoModelForCausalLM
 
     moe_dir, _ = moe_model
-    got = updates[0]["moe"]
-    factors = got["factors"]
-    experts = [m for m in factors if ".experts." in m]
-    assert len(experts) == 4 * 3 and len(factors) == 2 * 4 + 3 + len(experts)  # 1 MoE layer: 4 experts x 3
+    factors = updates[0]["moe"]["factors"]
     weights = {}
     for f in sorted(Path(moe_dir).glob("*.safetensors")):
         weights.update(load_file(str(f)))
     for module, (a, b) in factors.items():
         weights[f"{module}.weight"] = weights[f"{module}.weight"] + (ALPHA / RANK) * b @ a
-    merged = tmp_path / "merged"
-    merged.mkdir()
+    merged = tmp_path_factory.mktemp("lora_moe_merged")
     shutil.copy(Path(moe_dir) / "config.json", merged / "config.json")
     save_file(weights, str(merged / "model.safetensors"), metadata={"format": "pt"})
     assert json.loads((merged / "config.json").read_text())["model_type"] == "qwen3_moe"
     model = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
     data = _rollouts()
     expected = response_log_probs(model, data)
-    for rank_result in updates:  # every expert-parallel rank computed the same batch
-        assert (rank_result["moe"]["log_probs"] * data["response_mask"] - expected).abs().max() <= 1e-4
     base = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     assert (response_log_probs(base, data) - expected).abs().max() > 1e-3  # the adapters change the model
+    reference = _merged_gradients(moe_dir, factors, data)
+    norm = torch.sqrt(sum(g.square().sum() for pair in reference.values() for g in pair)).item()
+    return factors, expected, reference, norm
+
+
+def test_adapters_on_experts_equal_merged_weights_in_transformers(updates, moe_reference):
+    """Experts' adapters at expert parallel 2: the log-probs equal transformers' on the checkpoint with
+    W + (alpha / r) B A written into each adapted tensor (dense and expert projections alike, by HF name); one
+    SGD update moves every EP rank's factors (its experts' and the dense ones) by LR x the gradient transformers
+    computes through W + (alpha / r) B A with A, B leaves (relative 1e-4), and the grad norm is the reference's."""
+    factors, expected, reference, norm = moe_reference
+    experts = [m for m in factors if ".experts." in m]
+    assert len(experts) == 4 * 3 and len(factors) == 2 * 4 + 3 + len(experts)  # 1 MoE layer: 4 experts x 3
+    data = _rollouts()
+    for rank_result in updates:  # every expert-parallel rank computed the same batch
+        assert (rank_result["moe"]["log_probs"] * data["response_mask"] - expected).abs().max() <= 1e-4
     # one update: every rank's factors (dense on all, each EP rank's two experts) moved by LR x the gradient
     # transformers gives with A and B leaves inside W + (alpha / r) B A
-    reference = _merged_gradients(moe_dir, factors, data)
     seen = set()
     for rank_result in updates:
         grads, ep_rank = rank_result["moe"]["grads"], rank_result["moe"]["ep_rank"]
@@ -345,9 +410,54 @@ def test_adapters_on_experts_equal_merged_weights_in_transformers(updates, moe_m
                 assert want.abs().max() > 0, (module, factor)
                 assert (got_grad - want).abs().max() <= 1e-4 * want.abs().max(), (module, factor)
         seen |= mine
-        norm = torch.sqrt(sum(g.square().sum() for pair in reference.values() for g in pair)).item()
         assert rank_result["moe"]["grad_norm"] == pytest.approx(norm, rel=1e-4)  # experts counted once, over EP
     assert seen == set(experts)
+
+
+def test_adapters_on_experts_split_over_tp_equal_merged_weights_in_transformers(updates, moe_reference):
+    """The same adapters with the experts' linears split over TP (TP=2 + SP, EP=2, DP=2; expert TP = TP): the
+    log-probs are the same reference's, and one SGD update's factor changes, each TP rank's pieces put together
+    (column-parallel fc1's gate / up B rows, row-parallel fc2's A columns, as the dense linears'), are LR x the
+    same reference gradients (relative 1e-4): the replicated factors' partial gradients summed over TP once."""
+    factors, expected, reference, norm = moe_reference
+    experts = {m for m in factors if ".experts." in m}
+    data = _rollouts()
+    results = [r["moe_tp"] for r in updates]
+    assert {(r["tp_rank"], r["ep_rank"], r["expert_tp"]) for r in results} == {(0, 0, 2), (1, 0, 2), (0, 1, 2),
+                                                                               (1, 1, 2)}
+    for r in results:
+        assert (r["log_probs"] * data["response_mask"] - expected).abs().max() <= 1e-4
+        assert r["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    seen, split_experts = set(), set()
+    for ep_rank in (0, 1):  # the two TP ranks of each EP rank (here also the DP replica) put together
+        pair_ranks = sorted((r for r in results if r["ep_rank"] == ep_rank), key=lambda r: r["tp_rank"])
+        mine = {m for m in experts if int(m.split(".experts.")[1].split(".")[0]) // 2 == ep_rank}
+        for r in pair_ranks:
+            assert set(r["grads"]) == (set(factors) - experts) | mine, ep_rank
+        for module in pair_ranks[0]["grads"]:
+            for i, factor in enumerate("AB"):
+                dim = pair_ranks[0]["split"][module][i]
+                pieces = [r["grads"][module][i] for r in pair_ranks]
+                if dim is None:  # replicated over TP: the same change on both ranks
+                    assert torch.equal(pieces[0], pieces[1]), (module, factor)
+                    got = pieces[0]
+                else:
+                    got = torch.cat(pieces, dim=dim)
+                    split_experts |= {module} & experts
+                want = reference[module][i]
+                assert got.shape == want.shape, (module, factor)
+                assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (module, factor)
+        seen |= mine
+    assert seen == experts and split_experts == experts  # every expert's linears were split over TP
+
+
+def test_adapters_on_experts_split_over_a_tp_group_of_their_own_are_refused(updates):
+    """Split experts' replicated factors get their partial gradients summed over the dense TP group when sequence
+    parallelism is on: an expert TP other than the TP, or no sequence parallelism, is refused in one line."""
+    for rank_result in updates:
+        for layout, error in rank_result["moe_tp_refused"].items():
+            assert error is not None and "LoRA on experts split over TP needs sequence parallelism" in error, layout
+            assert "\n" not in error and "leave the experts out of lora.target_modules" in error, layout
 
 
 def test_convert_merges_a_peft_adapter_into_a_hugging_face_model(peft_adapter, peft_models, tmp_path, capsys):
