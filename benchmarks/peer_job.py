@@ -422,3 +422,13 @@ def run_hybridrl(job: dict[str, str], size: str, shape: Shape, layout: str, step
 
 def shape_dict(shape: Shape) -> dict[str, Any]:
     return {**asdict(shape), "sequences": shape.sequences}
+
+
+def write_report(report: dict, out_dir: Path, name: str, markdown, plot) -> Path:
+    """results/<name>.json, .md (markdown(report, path)) and .png (plot(report, path)); returns the .md path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    markdown(report, out_dir / f"{name}.md")
+    plot(report, out_dir / f"{name}.png")
+    return out_dir / f"{name}.md"
+

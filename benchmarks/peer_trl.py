@@ -28,7 +28,6 @@ reports which share of the positions each side computes are real tokens (update:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -40,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_job import (JOB, LAYOUTS, RESULTS, SIZES, VOCAB, Shape, ensure_trl_venv, hybridrl_overrides,  # noqa: E402
-                      prepare_job, run_hybridrl, run_trl, shape_dict, side_env)
+                      prepare_job, run_hybridrl, run_trl, shape_dict, side_env, write_report)
 
 logger = logging.getLogger("benchmarks.peer_trl")
 DEFAULT_STEPS = {"small": 20, "25m": 6}
@@ -280,12 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             "side_env_seen": {f"{r['side']} {r['layout']}": ", ".join(f"{k}={v}" for k, v in r["env"].items())
                               for r in rows}}
     report = {"name": name, "meta": meta, "rounds": rounds, "rows": rows, "notes": notes(shape)}
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    write_markdown(report, out_dir / f"{name}.md")
-    write_plot(rows, out_dir / f"{name}.png")
-    print((out_dir / f"{name}.md").read_text())
+    markdown = write_report(report, Path(args.out_dir), name, write_markdown,
+                            lambda result, path: write_plot(result["rows"], path))
+    print(markdown.read_text())
     return 0
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_job import (JOB, RESULTS, SIZES, Shape, ensure_trl_venv, prepare_job, run_hybridrl, run_trl,  # noqa: E402
-                      side_env)
+                      side_env, write_report)
 
 logger = logging.getLogger("benchmarks.peer_trl_sweep")
 TOKEN_BUDGET = 8192  # hybridrl's default actor.max_tokens_per_micro_batch; TRL's micro-batch is sized to it
@@ -214,10 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     "big_cell": args.big_cell, "cell_timeout_s": args.cell_timeout, "token_budget": TOKEN_BUDGET,
                     "dropped_env": side_env(None)[1]}
             report = {"name": args.out_name, "meta": meta, "cells": list(cells.values())}
-            json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
-            write_markdown(report, out_dir / f"{args.out_name}.md")
-            write_plot(report, out_dir / f"{args.out_name}.png")
-    print((out_dir / f"{args.out_name}.md").read_text())
+            markdown = write_report(report, out_dir, args.out_name, write_markdown, write_plot)
+    print(markdown.read_text())
     return 0
 
 
