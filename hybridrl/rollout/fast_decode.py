@@ -92,6 +92,13 @@ class FastForward:
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rot_dim], Megatron's non-interleaved layout
             self._cos_sin = (torch.cos(emb), torch.sin(emb))
 
+    def share_prefix(self, index: torch.Tensor, length: int) -> None:
+        """Rows 0..U-1 of the cache hold the first `length` positions of U distinct prompts: row i of the batch
+        takes prompt index[i]'s (the n samples of a prompt share its prefill)."""
+        for k_cache, v_cache in self.cache:
+            k_cache[:len(index), :, :length] = k_cache[index, :, :length]
+            v_cache[:len(index), :, :length] = v_cache[index, :, :length]
+
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep the cache rows `index` (ascending), moved to the front: rows that stopped leave the decode batch."""
         count = len(index)
