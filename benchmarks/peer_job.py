@@ -172,6 +172,7 @@ class TreeSampler(threading.Thread):
         self.max_procs = 0
         self.worker_env: dict[str, str] = {}
         self.loads: list[float] = []  # 1-min load average, once a second
+        self.cpu_s: dict[int, tuple[str, float]] = {}  # pid -> (name, user + system CPU seconds when last seen)
         self._halt = threading.Event()
 
     def _note_env(self, proc, root) -> None:
@@ -192,17 +193,21 @@ class TreeSampler(threading.Thread):
             return
         procs, found_at = [root], 0.0
         while not self._halt.is_set():
+            last_walk = None
             if time.monotonic() - found_at > 1.0:  # walking /proc for descendants costs more than sampling them
                 try:
                     procs = [root] + root.children(recursive=True)
                 except psutil.NoSuchProcess:
                     break
-                found_at = time.monotonic()
+                found_at = last_walk = time.monotonic()
                 self.loads.append(os.getloadavg()[0])
             total = 0
             for proc in procs:
                 try:
                     total += proc.memory_info().rss
+                    if found_at == last_walk:  # CPU seconds once a second, right after the walk
+                        times = proc.cpu_times()
+                        self.cpu_s[proc.pid] = (self.cpu_s.get(proc.pid, (proc.name(),))[0], times.user + times.system)
                     if not self.worker_env.get("process", "").startswith("ray::"):
                         self._note_env(proc, root)
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -215,13 +220,45 @@ class TreeSampler(threading.Thread):
         self._halt.set()
         self.join(timeout=2)
 
+    def cpu_by_name(self) -> dict[str, float]:
+        """CPU seconds per process name (summed over processes of one name), largest first: who used the cores."""
+        totals: dict[str, float] = {}
+        for name, seconds in self.cpu_s.values():
+            totals[name] = totals.get(name, 0.0) + seconds
+        return dict(sorted(((k, round(v, 2)) for k, v in totals.items()), key=lambda kv: -kv[1]))
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (every core, every process) since boot."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+def wait_for_quiet(busy_below: float, timeout_s: float, window_s: float = 3.0) -> float:
+    """Wait (at most timeout_s) until the machine's cores are under `busy_below` percent busy over two windows in a
+    row: other users' jobs on a shared machine would share the cores with the side about to run. Returns the last
+    window's percentage (0 when busy_below <= 0: no waiting)."""
+    import psutil
+
+    if busy_below <= 0:
+        return 0.0
+    deadline, quiet, busy = time.monotonic() + timeout_s, 0, 100.0
+    while quiet < 2 and time.monotonic() < deadline:
+        busy = psutil.cpu_percent(interval=window_s)
+        quiet = quiet + 1 if busy < busy_below else 0
+    if quiet < 2:
+        logger.warning("the machine stayed busy (%.0f%% of its cores) for %.0f s; running anyway", busy, timeout_s)
+    return busy
+
 
 def run_side(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> dict[str, Any]:
     """Run one side's subprocess (its own process group) with the tree sampler. Returns its record with status
     "ok", "timeout" (killed, with its whole group, after `timeout` s) or "failed" (with the log's tail)."""
     import signal
 
-    start = time.perf_counter()
+    start, busy_start = time.perf_counter(), busy_seconds()
     status = "ok"
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
@@ -240,8 +277,12 @@ def run_side(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float
                 rc = proc.wait()
         finally:
             sampler.stop()
+    own_cpu = sum(sampler.cpu_by_name().values())
     record = {"status": status, "wall_s": time.perf_counter() - start, "peak_rss_mib": sampler.peak_rss / 2**20,
-              "processes": sampler.max_procs, "worker_env": sampler.worker_env,
+              # CPU seconds the machine spent on processes outside this side's tree while it ran (other users' jobs);
+              # approximate: the tree's own time is sampled once a second
+              "other_cpu_s": round(max(0.0, busy_seconds() - busy_start - own_cpu), 1),
+              "processes": sampler.max_procs, "worker_env": sampler.worker_env, "cpu_s": sampler.cpu_by_name(),
               "load_mean": sum(sampler.loads) / len(sampler.loads) if sampler.loads else float("nan"),
               "load_max": max(sampler.loads, default=float("nan"))}
     if status == "ok" and rc != 0:
@@ -372,7 +413,8 @@ def summarize(side: str, size: str, layout: str, steps: list[dict], proc: dict, 
            "load_mean": proc["load_mean"], "load_max": proc["load_max"],
            "reward_first": steps[0].get("reward_mean"), "reward_last": steps[-1].get("reward_mean"),
            "stages_s": stages, "stage_share": {k: v / step_s for k, v in stages.items()}, **fills,
-           "env": proc.get("worker_env", {})}
+           "env": proc.get("worker_env", {}), "cpu_s_by_process": proc.get("cpu_s", {}),
+           "other_cpu_s": proc.get("other_cpu_s")}
     return row
 
 

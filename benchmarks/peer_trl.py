@@ -39,21 +39,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_job import (JOB, LAYOUTS, RESULTS, SIZES, VOCAB, Shape, ensure_trl_venv, hybridrl_overrides,  # noqa: E402
-                      prepare_job, run_hybridrl, run_trl, shape_dict, side_env, write_report)
+                      prepare_job, run_hybridrl, run_trl, shape_dict, side_env, wait_for_quiet, write_report)
 
 logger = logging.getLogger("benchmarks.peer_trl")
 DEFAULT_STEPS = {"small": 20, "25m": 6}
 
 
-def profiler(profile_dir: Path | None, name: str) -> tuple[str, ...]:
-    """`py-spy record --subprocesses` (on-CPU samples of every process of the side's tree) when asked."""
+def profiler(profile_dir: Path | None, name: str, native: bool = False) -> tuple[str, ...]:
+    """`py-spy record --subprocesses` (on-CPU samples of every process of the side's tree; native: C/C++ frames
+    too, e.g. which torch kernels) when asked."""
     if profile_dir is None:
         return ()
     py_spy = shutil.which("py-spy")
     if py_spy is None:
         raise SystemExit("--profile needs py-spy (pip install py-spy)")
-    return (py_spy, "record", "--subprocesses", "--rate", "50", "--format", "raw", "--output",
-            str(profile_dir / f"{name}.txt"), "--")
+    return (py_spy, "record", "--subprocesses", "--rate", "50", "--format", "raw", *(["--native"] if native else []),
+            "--output", str(profile_dir / f"{name}.txt"), "--")
 
 
 def run_rounds(args, sizes: list[str], layouts: list[str], shape: Shape, jobs: dict, work: Path) -> list[dict]:
@@ -69,16 +70,18 @@ def run_rounds(args, sizes: list[str], layouts: list[str], shape: Shape, jobs: d
                 sides = sides[::-1]
             for side in sides:
                 tag = f"{size}-r{rnd}"
-                logger.info("[%s round %d] %s, %d steps", size, rnd + 1, side, steps)
+                busy = wait_for_quiet(args.quiet, args.quiet_wait)
+                logger.info("[%s round %d] %s, %d steps (cores %.0f%% busy before)", size, rnd + 1, side, steps, busy)
                 if side == "trl":
                     row = run_trl(jobs[size], size, shape, steps, work, args.timeout, tag,
-                                  profiler(profile, f"trl-{tag}"))
+                                  profiler(profile, f"trl-{tag}", args.profile_native))
                 else:
                     row = run_hybridrl(jobs[size], size, shape, side, steps, work, args.timeout, tag,
-                                       profiler(profile, f"hybridrl-{side.replace('->', 'to')}-{tag}"))
+                                       profiler(profile, f"hybridrl-{side.replace('->', 'to')}-{tag}",
+                                                args.profile_native))
                 if row["status"] != "ok":
                     raise RuntimeError(f"{side} at {size} did not finish ({row['status']}): {row.get('error')}")
-                row["round"] = rnd + 1
+                row["round"], row["busy_before_pct"] = rnd + 1, busy
                 rows.append(row)
                 logger.info("[%s round %d] %s: %.0f tokens/s, %.3f s/step", size, rnd + 1, side,
                             row["tokens_per_s"], row["step_s"])
@@ -140,7 +143,10 @@ def write_markdown(report: dict, path: Path) -> None:
              f"{', '.join(meta['dropped_env']) or 'none were set'}. What the working process saw: "
              + "; ".join(f"{k}: {v}" for k, v in meta["side_env_seen"].items()) + ".",
              "tokens/s = (prompt + response tokens of the sampled sequences) / seconds, steps 2..N. Rounds alternate "
-             "the order of the sides.", "", "## Every round", "",
+             "the order of the sides. Each side waited for the cores to be under "
+             f"{meta['quiet_pct']:.0f}% busy before it started; others' CPU s: the machine's busy CPU seconds outside the "
+             "side's process tree while it ran (other users' jobs on this shared machine; 0 on a quiet one).", "",
+             "## Every round", "",
              "| size | side | layout | " + " | ".join(f"round {r} tokens/s (vs TRL)" for r in range(1, meta["rounds"] + 1))
              + " |", "|---|---|---|" + "---:|" * meta["rounds"]]
     for row in rows:
@@ -154,8 +160,8 @@ def write_markdown(report: dict, path: Path) -> None:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## The median round: where a step's time goes (seconds per step, steps 2..N)", "",
               "| size | side | layout | round | tokens/s | vs TRL | s/step | generation | transition | reward | "
-              "fwd+bwd / actor_update | optimizer | other | update fill | decode fill | peak RSS MiB | procs | load |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "fwd+bwd / actor_update | optimizer | other | update fill | decode fill | peak RSS MiB | procs | load | "
+              "others' CPU s |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         ratio = row.get("ratio_vs_trl")
         fills = [f"{row[k]:.2f}" if k in row else "-" for k in ("update_fill", "decode_fill")]
@@ -163,7 +169,8 @@ def write_markdown(report: dict, path: Path) -> None:
                                          f"{row['tokens_per_s']:.0f}", f"{ratio:.2f}" if ratio is not None else "1.00",
                                          f"{row['step_s']:.3f}", *_stage_cells(row), *fills,
                                          f"{row['peak_rss_mib']:.0f}", str(row["processes"]),
-                                         f"{row['load_mean']:.1f}/{row['load_max']:.1f}"]) + " |")
+                                         f"{row['load_mean']:.1f}/{row['load_max']:.1f}",
+                                         f"{row.get('other_cpu_s', float('nan')):.0f}"]) + " |")
     lines += ["", "Notes:", ""] + [f"- {note}" for note in report["notes"]] + [""]
     path.write_text("\n".join(lines))
 
@@ -234,6 +241,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small model, 6 steps, tp1, one round")
     parser.add_argument("--no-trl", action="store_true", help="hybridrl side only (no venv)")
     parser.add_argument("--profile", default=None, help="folder for py-spy's raw stacks of each side's run")
+    parser.add_argument("--profile-native", action="store_true", help="with --profile: C/C++ frames too")
+    parser.add_argument("--quiet", type=float, default=15.0,
+                        help="before each side, wait until the cores are under this %% busy (0: do not wait)")
+    parser.add_argument("--quiet-wait", type=float, default=600.0, help="seconds to wait for --quiet at most")
     parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one side may run")
     args = parser.parse_args(argv)
@@ -275,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": {s: SIZES[s] for s in args.size_list}, "rounds": args.rounds,
             "steps": {s: args.steps or DEFAULT_STEPS[s] for s in args.size_list},
             "weights_sha256": {s: j["weights_sha256"] for s, j in jobs.items()},
-            "dropped_env": side_env(None)[1],
+            "dropped_env": side_env(None)[1], "quiet_pct": args.quiet,
             "side_env_seen": {f"{r['side']} {r['layout']}": ", ".join(f"{k}={v}" for k, v in r["env"].items())
                               for r in rows}}
     report = {"name": name, "meta": meta, "rounds": rounds, "rows": rows, "notes": notes(shape)}

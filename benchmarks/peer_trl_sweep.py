@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_job import (JOB, RESULTS, SIZES, Shape, ensure_trl_venv, prepare_job, run_hybridrl, run_trl,  # noqa: E402
-                      side_env, write_report)
+                      side_env, wait_for_quiet, write_report)
 
 logger = logging.getLogger("benchmarks.peer_trl_sweep")
 TOKEN_BUDGET = 8192  # hybridrl's default actor.max_tokens_per_micro_batch; TRL's micro-batch is sized to it
@@ -54,19 +54,20 @@ def cell_key(sequences: int, new_tokens: int) -> str:
 
 
 def run_cell(job: dict, size: str, sequences: int, new_tokens: int, steps: int, order: list[str], timeout: float,
-             work: Path) -> dict:
+             work: Path, quiet: tuple[float, float] = (0.0, 0.0)) -> dict:
     shape = Shape(prompts=sequences // SAMPLES, samples=SAMPLES, new_tokens=new_tokens,
                   trl_micro_batch=trl_micro_batch(sequences, new_tokens))
     cell = {"cell": cell_key(sequences, new_tokens), "sequences": sequences, "new_tokens": new_tokens,
             "steps": steps, "trl_micro_batch": shape.trl_micro_batch, "order": order}
     for side in order:
         tag = f"{cell['cell']}-{side}"
+        busy = wait_for_quiet(*quiet)
         logger.info("[%s] %s, %d steps (at most %.0f s)", cell["cell"], side, steps, timeout)
         if side == "trl":
             row = run_trl(job, size, shape, steps, work, timeout, tag)
         else:
             row = run_hybridrl(job, size, shape, "tp1", steps, work, timeout, tag)
-        cell[side] = row
+        cell[side] = {**row, "busy_before_pct": busy}
         logger.info("[%s] %s: %s", cell["cell"], side, f"{row['tokens_per_s']:.0f} tokens/s, {row['step_s']:.2f} s/step"
                     if row["status"] == "ok" else f"did not finish ({row['status']}, {row['steps']} steps done)")
     trl, ours = cell.get("trl", {}), cell.get("hybridrl", {})
@@ -104,15 +105,19 @@ def write_markdown(report: dict, path: Path) -> None:
              f"{meta['cell_timeout_s']:.0f} s.", "",
              "| sequences | new tokens | TRL tokens/s | hybridrl tokens/s | ratio | TRL s/step | hybridrl s/step | "
              "TRL step-time growth | hybridrl step-time growth | TRL peak RSS MiB | hybridrl peak RSS MiB | "
-             "TRL micro-batch |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TRL micro-batch | others' CPU s (TRL / hybridrl) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for cell in sorted(cells, key=lambda c: (c["sequences"], c["new_tokens"])):
         trl, ours = _side_cells(cell.get("trl")), _side_cells(cell.get("hybridrl"))
         ratio = f"{cell['ratio']:.2f}" if "ratio" in cell else "-"
         g = [f"{grow[s][cell['cell']]:.1f}x" if cell["cell"] in grow[s] else "-" for s in ("trl", "hybridrl")]
+        others = " / ".join(f"{cell.get(s, {}).get('other_cpu_s') or 0:.0f}" for s in ("trl", "hybridrl"))
         lines.append("| " + " | ".join([str(cell["sequences"]), str(cell["new_tokens"]), trl[0], ours[0], ratio,
-                                         trl[1], ours[1], *g, trl[2], ours[2], str(cell["trl_micro_batch"])]) + " |")
+                                         trl[1], ours[1], *g, trl[2], ours[2], str(cell["trl_micro_batch"]),
+                                         others]) + " |")
     lines += ["", "step-time growth: the cell's seconds per step over the smallest finished cell's (same side). "
-              "Peak RSS: the side's whole process tree (hybridrl: driver, Ray daemons and worker).",
+              "Peak RSS: the side's whole process tree (hybridrl: driver, Ray daemons and worker). Each side waited "
+              f"for the cores to be under {meta.get('quiet_pct', 0):.0f}% busy before it started; others' CPU s: the "
+              "machine's busy CPU seconds outside the side's process tree while it ran (other users' jobs).",
               f"Threading variables removed from the caller's environment: {', '.join(meta['dropped_env']) or 'none'}.",
               ""]
     path.write_text("\n".join(lines))
@@ -169,6 +174,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--big-steps", type=int, default=2, help="steps in cells of sequences x new tokens >= --big-cell")
     parser.add_argument("--big-cell", type=int, default=64 * 512)
     parser.add_argument("--cell-timeout", type=float, default=1200.0, help="seconds one side of one cell may run")
+    parser.add_argument("--quiet", type=float, default=15.0,
+                        help="before each side, wait until the cores are under this %% busy (0: do not wait)")
+    parser.add_argument("--quiet-wait", type=float, default=600.0, help="seconds to wait for --quiet at most")
     parser.add_argument("--resume", action="store_true", help="keep the cells the existing results finished")
     parser.add_argument("--out-name", default="peer_trl_sweep")
     parser.add_argument("--out-dir", default=str(RESULTS))
@@ -205,13 +213,15 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             steps = args.big_steps if batch * new_tokens >= args.big_cell else args.steps
             order = ["trl", "hybridrl"] if index % 2 == 0 else ["hybridrl", "trl"]
-            cells[key] = run_cell(job, args.size, batch, new_tokens, steps, order, args.cell_timeout, Path(tmp))
+            cells[key] = run_cell(job, args.size, batch, new_tokens, steps, order, args.cell_timeout, Path(tmp),
+                                  (args.quiet, args.quiet_wait))
             meta = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "machine_desc": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
                     "python": platform.python_version(), "load_avg_1m": round(os.getloadavg()[0], 2),
                     "trl_versions": trl_versions, "size": args.size, "model": SIZES[args.size], "job": JOB,
                     "weights_sha256": job["weights_sha256"], "steps": args.steps, "big_steps": args.big_steps,
                     "big_cell": args.big_cell, "cell_timeout_s": args.cell_timeout, "token_budget": TOKEN_BUDGET,
+                    "quiet_pct": args.quiet,
                     "dropped_env": side_env(None)[1]}
             report = {"name": args.out_name, "meta": meta, "cells": list(cells.values())}
             markdown = write_report(report, out_dir, args.out_name, write_markdown, write_plot)

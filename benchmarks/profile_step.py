@@ -65,14 +65,16 @@ def fold(raw_file: Path, top: int) -> tuple[int, list[tuple[str, float]]]:
     return total, [(key, n / max(total, 1)) for key, n in inclusive.most_common(top)]
 
 
-def record(pids: dict[str, int], seconds: float, rate: int, out_dir: Path) -> dict[str, subprocess.Popen]:
+def record(pids: dict[str, int], seconds: float, rate: int, out_dir: Path, native: bool = False
+           ) -> dict[str, subprocess.Popen]:
     py_spy = shutil.which("py-spy")
     if py_spy is None:
         raise SystemExit("profile_step: py-spy is not installed (pip install py-spy)")
     procs = {}
     for name, pid in pids.items():
         cmd = [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, int(round(seconds)))),
-               "--rate", str(rate), "--format", "raw", "--nonblocking", "--output", str(out_dir / f"{name}.txt")]
+               "--rate", str(rate), "--format", "raw", *(["--native"] if native else ["--nonblocking"]),
+               "--output", str(out_dir / f"{name}.txt")]
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return procs
 
@@ -85,6 +87,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--native", action="store_true",
+                        help="C/C++ frames too (which torch kernels run; py-spy then pauses the process per sample)")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_intermixed_args()  # options may sit between config and overrides
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -113,7 +117,7 @@ def main() -> None:
             for rank, info in enumerate(group.worker_info if group is not None else []):
                 pids.setdefault(f"worker_rank{rank}", info["pid"])  # colocated roles share a process
         window = per_step * args.steps
-        procs = record(pids, window, args.rate, raw_dir)
+        procs = record(pids, window, args.rate, raw_dir, args.native)
         time.sleep(0.5)  # py-spy attaches
         deadline = time.perf_counter() + window
         while time.perf_counter() < deadline:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hybridrl.workers.policy import response_index, response_mask
-from hybridrl.workers.sequences import gather_at, micro_batches, pack, restore_order
+from hybridrl.workers.sequences import gather_at, micro_batches, pack, packed_fill, restore_order
 
 
 def _example():
@@ -76,6 +76,9 @@ def test_token_budget_packs_short_sequences_into_shared_rows():
             assert row[:n].tolist() == packed.input_ids[next(seqs), :n].tolist()
     results = torch.cat([mb["lengths"] for mb in mbs])
     assert restore_order(results, order).tolist() == packed.lengths.tolist()
+    # 16 real tokens in 3 rows of 6 (one sequence per row: 5 rows of 6)
+    assert packed_fill(mbs) == pytest.approx(16 / 18)
+    assert packed_fill(micro_batches(packed, {}, micro_batch_size=8)[0]) == pytest.approx(16 / 30)
 
 
 def test_rows_mode_and_uniform_pipeline_shapes():

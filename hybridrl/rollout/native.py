@@ -64,6 +64,36 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class _ChunkState:
+    """One chunk's rows while they decode: tokens / is_real / positions [batch, prompt_len + max_new_tokens] (prompts
+    left-padded), what was sampled so far, and the experts recorded per position (record_routing)."""
+
+    def __init__(self, tokens: torch.Tensor, is_real: torch.Tensor, positions: torch.Tensor, prompt_len: int,
+                 max_new_tokens: int, placeholder: bool) -> None:
+        batch, dev = tokens.shape[0], tokens.device
+        self.tokens, self.is_real, self.positions, self.prompt_len = tokens, is_real, positions, prompt_len
+        self.finished = torch.full((batch,), placeholder, dtype=torch.bool, device=dev)
+        self.log_probs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=dev)
+        self.num_generated = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.routed: torch.Tensor | None = None
+
+
+def _distinct_rows(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the first row of each distinct prompt, each row's index among them), or (None, None) when every row's
+    prompt is distinct (nothing to share)."""
+    seen: dict[tuple[int, ...], int] = {}
+    first, index = [], []
+    for row, ids in enumerate(rows):
+        key = tuple(ids)
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(row)
+        index.append(seen[key])
+    if len(first) == len(rows):
+        return None, None
+    return torch.tensor(first, dtype=torch.long, device=device), torch.tensor(index, dtype=torch.long, device=device)
+
+
 class NativeRolloutEngine(RolloutEngine):
     """Generate with a Megatron GPTModel already in generation layout (p_g = 1, any t_g).
 
@@ -290,79 +320,89 @@ class NativeRolloutEngine(RolloutEngine):
                         interrupt: Callable[[], bool] | None = None,
                         placeholder: bool = False) -> tuple[list[GeneratedSequence], bool]:
         """placeholder: a row that only keeps this replica's forwards in step with its expert-parallel peers
-        (stopped from the start; its output is dropped). Rows that stop leave the decode batch (their cache rows
-        compacted away) at the stop checks, so no forward computes on finished rows (lean forward, no expert
-        parallelism: the replicas' lockstep keeps their batches)."""
+        (stopped from the start; its output is dropped)."""
         batch, dev = len(rows), self.device
         if placeholder and uniforms is None and not params.is_greedy:
             uniforms = torch.zeros((batch, params.max_new_tokens), dtype=torch.float64, device=dev)
-        tokens, is_real, positions, prompt_len = self._prompt_block(rows, params.max_new_tokens)
-        total_len = tokens.shape[1]
-        causal = torch.ones((prompt_len, prompt_len), dtype=torch.bool, device=dev).tril()
-        stops = list(params.effective_stop_token_ids)
-        stop_ids = torch.tensor(stops or [-1], dtype=torch.long, device=dev)
-
+        state = _ChunkState(*self._prompt_block(rows, params.max_new_tokens), params.max_new_tokens, placeholder)
         if self._fast is not None:
             context = None
             self._fast.reset(batch, next(_unwrap(self.model).parameters()).dtype, dev)
         else:
             context = self._inference_context()
-        routed = None  # [batch, total_len, moe_layers, topk]: experts per input position (record_routing)
-        if self.routing is not None:
-            routed = torch.full((batch, total_len, self.routing.num_moe_layers, self.routing.topk), -1,
-                                dtype=torch.int16)
-        # Prefill: all prompt positions at once.
-        allowed = causal.unsqueeze(0) & is_real[:, None, :prompt_len]
-        logits = self._forward(tokens[:, :prompt_len], positions[:, :prompt_len], allowed.unsqueeze(1), 0, context)
-        if routed is not None:  # routers see tokens sequence-major: [prompt_len * batch, ...]
-            routed[:, :prompt_len] = self.routing.take_recorded().view(prompt_len, batch, *routed.shape[2:]) \
-                .transpose(0, 1).cpu()
+        if self.routing is not None:  # [batch, total_len, moe_layers, topk]: experts per input position
+            state.routed = torch.full((batch, state.tokens.shape[1], self.routing.num_moe_layers, self.routing.topk),
+                                      -1, dtype=torch.int16)
+        logits = self._prefill(rows, state, context)
+        interrupted = self._decode(logits, state, params, uniforms, interrupt, context)
+        out = []
+        for i, ids in enumerate(rows):
+            count, start = int(state.num_generated[i]), state.prompt_len
+            generated = state.tokens[i, start:start + count].tolist()
+            reason = finish_reason(generated, params)
+            out.append(GeneratedSequence(prompt=list(ids), tokens=generated,
+                                         log_probs=state.log_probs[i, :count].tolist(),
+                                         finish_reason="interrupted" if interrupted and reason == "length" else reason,
+                                         routing=None if state.routed is None else
+                                         state.routed[i, start - len(ids):start + count].clone()))
+        return out, interrupted
 
-        finished = torch.full((batch,), placeholder, dtype=torch.bool, device=dev)
-        interrupted = False
-        log_probs = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=dev)
-        num_generated = torch.zeros(batch, dtype=torch.long, device=dev)
+    def _prefill(self, rows: list[list[int]], state: "_ChunkState", context) -> torch.Tensor:
+        """All prompt positions at once; with the lean forward each distinct prompt once (its n samples share the
+        prompt's keys / values, as a prefix cache would). Returns the last position's logits per row."""
+        length, dev = state.prompt_len, self.device
+        causal = torch.ones((length, length), dtype=torch.bool, device=dev).tril()
+        allowed = causal.unsqueeze(0) & state.is_real[:, None, :length]
+        first, index = _distinct_rows(rows, dev) if self._fast is not None and state.routed is None else (None, None)
+        if first is not None:
+            logits = self._forward(state.tokens[first, :length], state.positions[first, :length],
+                                   allowed[first].unsqueeze(1), 0, context)[index]
+            self._fast.share_prefix(index, length)
+            return logits
+        logits = self._forward(state.tokens[:, :length], state.positions[:, :length], allowed.unsqueeze(1), 0, context)
+        if state.routed is not None:  # routers see tokens sequence-major: [prompt_len * batch, ...]
+            state.routed[:, :length] = self.routing.take_recorded().view(length, len(rows), *state.routed.shape[2:]) \
+                .transpose(0, 1).cpu()
+        return logits
+
+    def _decode(self, logits: torch.Tensor, state: "_ChunkState", params: SamplingParams,
+                uniforms: torch.Tensor | None, interrupt: Callable[[], bool] | None, context) -> bool:
+        """Sample max_new_tokens (or until every row stopped / an interrupt); returns whether interrupted. Rows that
+        stop leave the decode batch (their cache rows compacted away) at the stop checks, so no forward computes on
+        finished rows (lean forward without expert parallelism: the replicas' lockstep keeps their batches)."""
+        dev, s = self.device, state
+        stops = list(params.effective_stop_token_ids)
+        stop_ids = torch.tensor(stops or [-1], dtype=torch.long, device=dev)
         live: slice | torch.Tensor = slice(None)  # the rows in the decode batch: all, or the indices still running
         compact = self._fast is not None and self.ep_group is None and bool(stops)
         check_every = _STOP_CHECK_EVERY.get(dev.type, 1)
         for step in range(params.max_new_tokens):
-            pos = prompt_len + step
-            new_tokens, new_log_probs = sample_tokens(logits, params, None if uniforms is None else uniforms[live, step])
+            pos = s.prompt_len + step
+            drawn = None if uniforms is None else uniforms[live, step]
+            new_tokens, new_log_probs = sample_tokens(logits, params, drawn)
             self._row_steps += len(new_tokens)
-            active = ~finished[live]
-            tokens[live, pos] = torch.where(active, new_tokens, self.pad_token_id)
-            is_real[live, pos] = active
-            log_probs[live, step] = torch.where(active, new_log_probs, 0.0)
-            num_generated[live] += active.long()
+            active = ~s.finished[live]
+            s.tokens[live, pos] = torch.where(active, new_tokens, self.pad_token_id)
+            s.is_real[live, pos] = active
+            s.log_probs[live, step] = torch.where(active, new_log_probs, 0.0)
+            s.num_generated[live] += active.long()
             if stops:
-                finished[live] |= active & torch.isin(new_tokens, stop_ids)
+                s.finished[live] |= active & torch.isin(new_tokens, stop_ids)
             if step == params.max_new_tokens - 1:
-                break
+                return False
             # asking whether every row stopped is a host sync (a GPU stall): only every few steps, and never
             # without stop tokens; rows that stopped meanwhile are masked, so the result is the same
             if stops and step % check_every == 0 and \
-                    self._agree(int(finished.all()), torch.distributed.ReduceOp.MIN):
-                break
+                    self._agree(int(s.finished.all()), torch.distributed.ReduceOp.MIN):
+                return False
             if interrupt is not None and step % _INTERRUPT_CHECK_EVERY == _INTERRUPT_CHECK_EVERY - 1 and \
                     self._agree(int(interrupt())):
-                interrupted = True
-                break
-            positions[live, pos] = positions[live, pos - 1] + 1
+                return True
+            s.positions[live, pos] = s.positions[live, pos - 1] + 1
             if compact and step % check_every == 0:
-                live = self._drop_finished(live, finished, batch)
-            seen = is_real[live][:, None, None, :pos + 1]  # the new query sees every real key so far
-            logits = self._forward(tokens[live, pos:pos + 1], positions[live, pos:pos + 1], seen, pos, context)
-            if routed is not None:
-                routed[live if isinstance(live, slice) else live.cpu(), pos] = self.routing.take_recorded().cpu()
-
-        out = []
-        for i, ids in enumerate(rows):
-            count = int(num_generated[i])
-            generated = tokens[i, prompt_len:prompt_len + count].tolist()
-            reason = finish_reason(generated, params)
-            out.append(GeneratedSequence(prompt=list(ids), tokens=generated,
-                                         log_probs=log_probs[i, :count].tolist(),
-                                         finish_reason="interrupted" if interrupted and reason == "length" else reason,
-                                         routing=None if routed is None else
-                                         routed[i, prompt_len - len(ids):prompt_len + count].clone()))
-        return out, interrupted
+                live = self._drop_finished(live, s.finished, len(s.finished))
+            seen = s.is_real[live][:, None, None, :pos + 1]  # the new query sees every real key so far
+            logits = self._forward(s.tokens[live, pos:pos + 1], s.positions[live, pos:pos + 1], seen, pos, context)
+            if s.routed is not None:
+                s.routed[live if isinstance(live, slice) else live.cpu(), pos] = self.routing.take_recorded().cpu()
+        return False
