@@ -67,6 +67,10 @@ class Shape:
     samples: int = 4  # responses per prompt (a GRPO group)
     new_tokens: int = 32  # response length (fixed) or its cap (natural)
     natural: bool = False  # EOS ends a response (lengths differ per sample); False: exactly new_tokens
+    # fp32: both sides in fp32 (TRL with bf16=False, a setting its user changes); bf16: TRL's own default (GRPOConfig
+    # bf16=True: fp32 weights, bf16 autocast) against hybridrl's actor.model.dtype=bfloat16 (Megatron's mixed
+    # precision: bf16 module, fp32 main weights in the optimizer)
+    precision: str = "fp32"
     trl_micro_batch: int | None = None  # TRL's per_device_train_batch_size (None: all sequences in one)
 
     @property
@@ -75,7 +79,8 @@ class Shape:
 
     @property
     def label(self) -> str:
-        return f"{self.sequences}x{self.new_tokens}{' natural' if self.natural else ''}"
+        return f"{self.sequences}x{self.new_tokens}{' natural' if self.natural else ''}" \
+            f"{' bf16' if self.precision == 'bf16' else ''}"
 
 
 DEFAULT_SHAPE = Shape()
@@ -365,7 +370,8 @@ def hybridrl_overrides(job: dict[str, str], layout: str, steps: int, run_dir: Pa
             f"rollout.n={shape.samples}", f"rollout.temperature={JOB['temperature']}",
             f"rollout.max_new_tokens={shape.new_tokens}", f"rollout.ignore_eos={str(not shape.natural).lower()}",
             f"trainer.steps={steps}", f"trainer.seed={JOB['seed'] + 1}", f"trainer.run_dir={run_dir}",
-            "trainer.trackers=[]", "trainer.progress_bar=false", "trainer.save_every=0"]
+            "trainer.trackers=[]", "trainer.progress_bar=false", "trainer.save_every=0"] + \
+        (["actor.model.dtype=bfloat16"] if shape.precision == "bf16" else [])
 
 
 def hybridrl_steps(run_dir: Path, shape: Shape = DEFAULT_SHAPE) -> list[dict]:
@@ -433,7 +439,7 @@ def run_trl(job: dict[str, str], size: str, shape: Shape, steps: int, work: Path
     cmd = [*prefix, str(venv_python()), str(BENCH_DIR / "peer_trl_worker.py"), "--model-dir", job["model"], "--data",
            job["data"], "--steps", str(steps), "--out", str(out), "--out-dir", str(work / f"trl-out-{tag}"),
            "--prompts", str(shape.prompts), "--samples", str(shape.samples), "--new-tokens", str(shape.new_tokens)]
-    cmd += (["--natural"] if shape.natural else []) + \
+    cmd += (["--natural"] if shape.natural else []) + ["--precision", shape.precision] + \
         (["--micro-batch", str(shape.trl_micro_batch)] if shape.trl_micro_batch else [])
     env, _ = side_env(None)
     proc = run_side(cmd, env, work / f"trl-{tag}.log", timeout)
@@ -442,19 +448,22 @@ def run_trl(job: dict[str, str], size: str, shape: Shape, steps: int, work: Path
         return unfinished("trl", size, "tp1 (1 process)", proc, len(result["steps"]))
     row = summarize("trl", size, "tp1 (1 process)", result["steps"], proc, trl_stages)
     row["threads"] = result["threads"]
+    row["trl_bf16"] = result.get("bf16")
     row["micro_batch"] = result.get("micro_batch")
     row["response_len_min"] = min(s.get("response_len_min", 0) for s in result["steps"])
     return row
 
 
 def run_hybridrl(job: dict[str, str], size: str, shape: Shape, layout: str, steps: int, work: Path,
-                 timeout: float, tag: str = "", prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-    """hybridrl's run of `steps` steps at `layout` -> its row."""
+                 timeout: float, tag: str = "", prefix: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """hybridrl's run of `steps` steps at `layout` -> its row (extra_env: variables added to its default
+    environment, for benchmarks/thread_settings.py only)."""
     run_dir = work / f"hybridrl-{tag}-{layout.replace('->', 'to')}"
     cmd = [*prefix, sys.executable, "-m", "hybridrl.cli", "train", "configs/grpo_tiny.yaml",
            *hybridrl_overrides(job, layout, steps, run_dir, shape)]
     env, _ = side_env(os.pathsep.join([str(ROOT), str(BENCH_DIR)]))
-    proc = run_side(cmd, env, work / f"{run_dir.name}.log", timeout)
+    proc = run_side(cmd, {**env, **(extra_env or {})}, work / f"{run_dir.name}.log", timeout)
     metrics = run_dir / "metrics.jsonl"
     done = hybridrl_steps(run_dir, shape) if metrics.is_file() else []
     if proc["status"] != "ok" or len(done) < 2:

@@ -22,6 +22,11 @@ reports which share of the positions each side computes are real tokens (update:
     python benchmarks/peer_trl.py --rounds 3 --layouts tp1        # both sizes, 3 interleaved rounds
     python benchmarks/peer_trl.py --quick                         # small model, 6 steps, tp1
     python benchmarks/peer_trl.py --lengths natural --rounds 3 --layouts tp1   # -> results/peer_trl_natural.*
+    python benchmarks/peer_trl.py --precision bf16 --rounds 3 --layouts tp1    # -> results/peer_trl_bf16.*
+
+--precision fp32 (default) is the job both sides run in fp32: TRL with GRPOConfig(bf16=False), a setting its user
+changes. --precision bf16 runs TRL at its own default (bf16=True: fp32 weights, bf16 autocast) and hybridrl with
+actor.model.dtype=bfloat16 (Megatron's mixed precision: bf16 module, fp32 main weights in the optimizer).
     python benchmarks/peer_trl.py --profile DIR ...               # each side under py-spy (raw stacks in DIR)
     hybridrl bench peer_trl --sizes 25m --steps 4
 """
@@ -43,6 +48,9 @@ from peer_job import (JOB, LAYOUTS, RESULTS, SIZES, VOCAB, Shape, ensure_trl_ven
 
 logger = logging.getLogger("benchmarks.peer_trl")
 DEFAULT_STEPS = {"small": 20, "25m": 6}
+PRECISION_TEXT = {"fp32": "fp32 on both sides (TRL: GRPOConfig bf16=False)",
+                  "bf16": "bf16 mixed precision (TRL: its default GRPOConfig bf16=True, autocast; hybridrl: "
+                          "actor.model.dtype=bfloat16, fp32 main weights)"}
 
 
 def profiler(profile_dir: Path | None, name: str, native: bool = False) -> tuple[str, ...]:
@@ -134,7 +142,7 @@ def write_markdown(report: dict, path: Path) -> None:
              f"Run {meta['utc']} on {meta['machine_desc']}; 1-min load average {meta['load_avg_start']:.2f} at start, "
              f"{meta['load_avg_end']:.2f} at end.", "",
              f"Job: {shape['prompts']} prompts x {shape['samples']} samples per step, up to {shape['new_tokens']} new "
-             f"tokens ({lengths}), GRPO, lr {JOB['lr']}, beta 0, fp32; word-level tokenizer of {len(VOCAB)} words; "
+             f"tokens ({lengths}), GRPO, lr {JOB['lr']}, beta 0, {PRECISION_TEXT[shape.get('precision', 'fp32')]}; word-level tokenizer of {len(VOCAB)} words; "
              f"same checkpoint both sides (sha256 {', '.join(f'{k} {v[:12]}' for k, v in meta['weights_sha256'].items())}).",
              f"TRL: trl {meta['trl_versions'].get('trl')}, transformers {meta['trl_versions'].get('transformers')}, "
              f"torch {meta['trl_versions'].get('torch')} (benchmarks/.venv-trl). hybridrl: torch "
@@ -238,6 +246,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the order alternates)")
     parser.add_argument("--lengths", choices=("fixed", "natural"), default="fixed",
                         help="fixed: exactly 32 new tokens; natural: EOS ends a response (results peer_trl_natural)")
+    parser.add_argument("--precision", choices=sorted(PRECISION_TEXT), default="fp32",
+                        help="fp32: both sides fp32; bf16: TRL's default bf16 vs hybridrl bfloat16 (results *_bf16)")
     parser.add_argument("--quick", action="store_true", help="small model, 6 steps, tp1, one round")
     parser.add_argument("--no-trl", action="store_true", help="hybridrl side only (no venv)")
     parser.add_argument("--profile", default=None, help="folder for py-spy's raw stacks of each side's run")
@@ -269,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    shape = Shape(natural=args.lengths == "natural")
+    shape = Shape(natural=args.lengths == "natural", precision=args.precision)
     load_start = os.getloadavg()[0]
     trl_versions = {} if args.no_trl else ensure_trl_venv()
     jobs = {size: prepare_job(size) for size in args.size_list}
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = run_rounds(args, args.size_list, args.layout_list, shape, jobs, Path(tmp))
     round_ratios(rounds)
     rows = median_rows(rounds)
-    name = "peer_trl" if not shape.natural else "peer_trl_natural"
+    name = "peer_trl" + ("_natural" if shape.natural else "") + ("_bf16" if shape.precision == "bf16" else "")
     meta = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host_cpus": os.cpu_count(),
             "machine_desc": f"{platform.machine()}, {os.cpu_count()} cores, no GPU", "python": platform.python_version(),
             "load_avg_start": round(load_start, 2), "load_avg_end": round(os.getloadavg()[0], 2),

@@ -54,9 +54,9 @@ def cell_key(sequences: int, new_tokens: int) -> str:
 
 
 def run_cell(job: dict, size: str, sequences: int, new_tokens: int, steps: int, order: list[str], timeout: float,
-             work: Path, quiet: tuple[float, float] = (0.0, 0.0)) -> dict:
+             work: Path, quiet: tuple[float, float] = (0.0, 0.0), precision: str = "fp32") -> dict:
     shape = Shape(prompts=sequences // SAMPLES, samples=SAMPLES, new_tokens=new_tokens,
-                  trl_micro_batch=trl_micro_batch(sequences, new_tokens))
+                  trl_micro_batch=trl_micro_batch(sequences, new_tokens), precision=precision)
     cell = {"cell": cell_key(sequences, new_tokens), "sequences": sequences, "new_tokens": new_tokens,
             "steps": steps, "trl_micro_batch": shape.trl_micro_batch, "order": order}
     for side in order:
@@ -100,7 +100,10 @@ def write_markdown(report: dict, path: Path) -> None:
     lines = ["# peer_trl_sweep: hybridrl GRPO vs TRL GRPOTrainer as work grows (25M model, each side at its defaults)",
              "", f"Last cell {meta['utc']} on {meta['machine_desc']}. TRL {meta['trl_versions'].get('trl')} "
              f"(transformers {meta['trl_versions'].get('transformers')}, torch {meta['trl_versions'].get('torch')}); "
-             f"hybridrl tp1, native engine. Steps per cell: {meta['steps']} ({meta['big_steps']} where sequences x "
+             f"hybridrl tp1, native engine. Precision: "
+             + ("fp32 on both sides (TRL: bf16=False)" if meta.get("precision", "fp32") == "fp32" else
+                "bf16 mixed (TRL: its default bf16=True; hybridrl: actor.model.dtype=bfloat16)")
+             + f". Steps per cell: {meta['steps']} ({meta['big_steps']} where sequences x "
              f"new tokens >= {meta['big_cell']}); step 1 is warm-up, not timed. Each side of a cell at most "
              f"{meta['cell_timeout_s']:.0f} s.", "",
              "| sequences | new tokens | TRL tokens/s | hybridrl tokens/s | ratio | TRL s/step | hybridrl s/step | "
@@ -177,6 +180,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quiet", type=float, default=15.0,
                         help="before each side, wait until the cores are under this %% busy (0: do not wait)")
     parser.add_argument("--quiet-wait", type=float, default=600.0, help="seconds to wait for --quiet at most")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32: both sides fp32; bf16: TRL's default bf16 vs hybridrl bfloat16 (peer_job.Shape)")
     parser.add_argument("--resume", action="store_true", help="keep the cells the existing results finished")
     parser.add_argument("--out-name", default="peer_trl_sweep")
     parser.add_argument("--out-dir", default=str(RESULTS))
@@ -214,14 +219,14 @@ def main(argv: list[str] | None = None) -> int:
             steps = args.big_steps if batch * new_tokens >= args.big_cell else args.steps
             order = ["trl", "hybridrl"] if index % 2 == 0 else ["hybridrl", "trl"]
             cells[key] = run_cell(job, args.size, batch, new_tokens, steps, order, args.cell_timeout, Path(tmp),
-                                  (args.quiet, args.quiet_wait))
+                                  (args.quiet, args.quiet_wait), args.precision)
             meta = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "machine_desc": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
                     "python": platform.python_version(), "load_avg_1m": round(os.getloadavg()[0], 2),
                     "trl_versions": trl_versions, "size": args.size, "model": SIZES[args.size], "job": JOB,
                     "weights_sha256": job["weights_sha256"], "steps": args.steps, "big_steps": args.big_steps,
                     "big_cell": args.big_cell, "cell_timeout_s": args.cell_timeout, "token_budget": TOKEN_BUDGET,
-                    "quiet_pct": args.quiet,
+                    "quiet_pct": args.quiet, "precision": args.precision,
                     "dropped_env": side_env(None)[1]}
             report = {"name": args.out_name, "meta": meta, "cells": list(cells.values())}
             markdown = write_report(report, out_dir, args.out_name, write_markdown, write_plot)

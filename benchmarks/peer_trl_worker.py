@@ -1,7 +1,8 @@
 """The TRL side of benchmarks/peer_trl.py (runs inside benchmarks/.venv-trl; no hybridrl import): TRL's
 GRPOTrainer on the peer job (benchmarks/peer_job.py), as a user runs it, writing one record per optimizer step.
 
-GRPOConfig: use_cpu, bf16 / fp16 off, gradient checkpointing off, num_generations = samples, one iteration per
+GRPOConfig: use_cpu, --precision fp32: bf16 / fp16 off (the user's change), bf16: TRL's default (bf16=True: fp32
+weights, bf16 autocast), gradient checkpointing off, num_generations = samples, one iteration per
 batch, max_completion_length = new tokens (fixed length: min_new_tokens too). per_device_train_batch_size = every
 sequence of the step, or --micro-batch with gradient accumulation up to the step's sequences (TRL then generates
 the whole batch at once and trains in micro-batches, one optimizer step per batch). Torch's thread count and the
@@ -39,8 +40,9 @@ def build_trainer(args: argparse.Namespace):
         return [word_reward(p, c, target=t) for p, c, t in zip(prompts, completions, target)]
 
     generation = {} if args.natural else {"min_new_tokens": args.new_tokens}
+    precision = {"bf16": False, "fp16": False} if args.precision == "fp32" else {}  # bf16: TRL's own default
     config = GRPOConfig(
-        output_dir=args.out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=args.out_dir, use_cpu=True, **precision, gradient_checkpointing=False,
         per_device_train_batch_size=micro, gradient_accumulation_steps=sequences // micro,
         num_generations=args.samples, num_iterations=1, max_completion_length=args.new_tokens,
         generation_kwargs=generation, temperature=JOB["temperature"], top_p=1.0, top_k=0, beta=JOB["beta"],
@@ -121,6 +123,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--natural", action="store_true", help="EOS ends a response (no min_new_tokens)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32: bf16=False; bf16: GRPOConfig's default (bf16=True)")
     parser.add_argument("--micro-batch", type=int, default=None, help="per_device_train_batch_size")
     args = parser.parse_args()
 
@@ -135,7 +139,8 @@ def main() -> None:
 
     def write() -> None:  # after every step: a run stopped at its time limit keeps the steps it finished
         Path(args.out).write_text(json.dumps({"steps": steps, "threads": torch.get_num_threads(),
-                                              "micro_batch": micro, "versions": versions}))
+                                              "micro_batch": micro, "versions": versions,
+                                              "bf16": bool(trainer.args.bf16)}))
 
     from transformers import TrainerCallback
 

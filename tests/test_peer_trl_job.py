@@ -98,3 +98,15 @@ def test_natural_length_shape_config(job, tmp_path):
     plan = plan_run(cfg)
     assert not cfg.rollout.ignore_eos and cfg.rollout.max_new_tokens == 128
     assert plan.rows_per_step == 256 == shape.sequences
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_precision_is_the_same_on_both_sides(job, tmp_path, precision):
+    """bf16: hybridrl's actor trains and generates in bfloat16 (fp32 main weights), TRL keeps its default bf16=True;
+    fp32: both in float32, TRL told bf16=False."""
+    from hybridrl.config import load_config
+
+    shape = peer_trl.Shape(precision=precision)
+    cfg = load_config("configs/grpo_tiny.yaml", peer_trl.hybridrl_overrides(job, "tp1", 3, tmp_path / "run", shape))
+    assert cfg.actor.model.dtype == {"fp32": "float32", "bf16": "bfloat16"}[precision]
+    assert shape.label == "64x32" + (" bf16" if precision == "bf16" else "")
