@@ -138,7 +138,8 @@ def write_markdown(report: dict, path: Path) -> None:
     meta, rounds, rows = report["meta"], report["rounds"], report["rows"]
     shape = meta["shape"]
     lengths = "natural lengths (EOS ends a response)" if shape["natural"] else "fixed length"
-    lines = [f"# {report['name']}: hybridrl GRPO vs TRL GRPOTrainer, same CPU job, each side at its defaults", "",
+    lines = [f"# {report['name']}: hybridrl GRPO vs TRL GRPOTrainer, same CPU job, each side in its own default "
+             "environment", "",
              f"Run {meta['utc']} on {meta['machine_desc']}; 1-min load average {meta['load_avg_start']:.2f} at start, "
              f"{meta['load_avg_end']:.2f} at end.", "",
              f"Job: {shape['prompts']} prompts x {shape['samples']} samples per step, up to {shape['new_tokens']} new "

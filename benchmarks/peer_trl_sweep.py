@@ -97,7 +97,8 @@ def _side_cells(row: dict | None) -> list[str]:
 def write_markdown(report: dict, path: Path) -> None:
     meta, cells = report["meta"], report["cells"]
     grow = {side: growth(cells, side) for side in ("trl", "hybridrl")}
-    lines = ["# peer_trl_sweep: hybridrl GRPO vs TRL GRPOTrainer as work grows (25M model, each side at its defaults)",
+    lines = ["# peer_trl_sweep: hybridrl GRPO vs TRL GRPOTrainer as work grows (25M model, each side in its own "
+             "default environment)",
              "", f"Last cell {meta['utc']} on {meta['machine_desc']}. TRL {meta['trl_versions'].get('trl')} "
              f"(transformers {meta['trl_versions'].get('transformers')}, torch {meta['trl_versions'].get('torch')}); "
              f"hybridrl tp1, native engine. Precision: "

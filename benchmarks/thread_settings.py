@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU", "steps": STEPS,
             "job": "peer job, 16 prompts x 4 samples, 32 new tokens, fp32, tp1, native engine"}
     _, md_path = write_results("thread_settings", rows, meta=meta,
-                               out_dir=args.out_dir, columns=["size", "variant", "round", "env", "tokens_per_s", "vs_default", "step_s",
+                               out_dir=args.out_dir,
+                               columns=["size", "variant", "round", "env", "tokens_per_s", "vs_default", "step_s",
                                         "generation_s", "update_s", "busy_before_pct"])
     print(Path(md_path).read_text())
     return 0
