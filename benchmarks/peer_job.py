@@ -84,6 +84,9 @@ class Shape:
 
 
 DEFAULT_SHAPE = Shape()
+PRECISIONS = {"fp32": "fp32 on both sides (TRL: GRPOConfig bf16=False)",
+              "bf16": "bf16 mixed precision (TRL: its default GRPOConfig bf16=True, autocast; hybridrl: "
+                      "actor.model.dtype=bfloat16, fp32 main weights)"}
 
 
 def word_reward(prompt: str, response: str, target: str | None = None, min_words: int = 4, **_: Any) -> float:

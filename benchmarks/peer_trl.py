@@ -43,14 +43,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_job import (JOB, LAYOUTS, RESULTS, SIZES, VOCAB, Shape, ensure_trl_venv, hybridrl_overrides,  # noqa: E402
+from peer_job import (JOB, LAYOUTS, PRECISIONS, RESULTS, SIZES, VOCAB, Shape, ensure_trl_venv, hybridrl_overrides,  # noqa: E402
                       prepare_job, run_hybridrl, run_trl, shape_dict, side_env, wait_for_quiet, write_report)
 
 logger = logging.getLogger("benchmarks.peer_trl")
 DEFAULT_STEPS = {"small": 20, "25m": 6}
-PRECISION_TEXT = {"fp32": "fp32 on both sides (TRL: GRPOConfig bf16=False)",
-                  "bf16": "bf16 mixed precision (TRL: its default GRPOConfig bf16=True, autocast; hybridrl: "
-                          "actor.model.dtype=bfloat16, fp32 main weights)"}
 
 
 def profiler(profile_dir: Path | None, name: str, native: bool = False) -> tuple[str, ...]:
@@ -143,7 +140,7 @@ def write_markdown(report: dict, path: Path) -> None:
              f"Run {meta['utc']} on {meta['machine_desc']}; 1-min load average {meta['load_avg_start']:.2f} at start, "
              f"{meta['load_avg_end']:.2f} at end.", "",
              f"Job: {shape['prompts']} prompts x {shape['samples']} samples per step, up to {shape['new_tokens']} new "
-             f"tokens ({lengths}), GRPO, lr {JOB['lr']}, beta 0, {PRECISION_TEXT[shape.get('precision', 'fp32')]}; word-level tokenizer of {len(VOCAB)} words; "
+             f"tokens ({lengths}), GRPO, lr {JOB['lr']}, beta 0, {PRECISIONS[shape.get('precision', 'fp32')]}; word-level tokenizer of {len(VOCAB)} words; "
              f"same checkpoint both sides (sha256 {', '.join(f'{k} {v[:12]}' for k, v in meta['weights_sha256'].items())}).",
              f"TRL: trl {meta['trl_versions'].get('trl')}, transformers {meta['trl_versions'].get('transformers')}, "
              f"torch {meta['trl_versions'].get('torch')} (benchmarks/.venv-trl). hybridrl: torch "
@@ -247,7 +244,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the order alternates)")
     parser.add_argument("--lengths", choices=("fixed", "natural"), default="fixed",
                         help="fixed: exactly 32 new tokens; natural: EOS ends a response (results peer_trl_natural)")
-    parser.add_argument("--precision", choices=sorted(PRECISION_TEXT), default="fp32",
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
                         help="fp32: both sides fp32; bf16: TRL's default bf16 vs hybridrl bfloat16 (results *_bf16)")
     parser.add_argument("--quick", action="store_true", help="small model, 6 steps, tp1, one round")
     parser.add_argument("--no-trl", action="store_true", help="hybridrl side only (no venv)")

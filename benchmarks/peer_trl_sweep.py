@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_job import (JOB, RESULTS, SIZES, Shape, ensure_trl_venv, prepare_job, run_hybridrl, run_trl,  # noqa: E402
+from peer_job import (JOB, PRECISIONS, RESULTS, SIZES, Shape, ensure_trl_venv, prepare_job, run_hybridrl, run_trl,  # noqa: E402
                       side_env, wait_for_quiet, write_report)
 
 logger = logging.getLogger("benchmarks.peer_trl_sweep")
@@ -101,10 +101,8 @@ def write_markdown(report: dict, path: Path) -> None:
              "default environment)",
              "", f"Last cell {meta['utc']} on {meta['machine_desc']}. TRL {meta['trl_versions'].get('trl')} "
              f"(transformers {meta['trl_versions'].get('transformers')}, torch {meta['trl_versions'].get('torch')}); "
-             f"hybridrl tp1, native engine. Precision: "
-             + ("fp32 on both sides (TRL: bf16=False)" if meta.get("precision", "fp32") == "fp32" else
-                "bf16 mixed (TRL: its default bf16=True; hybridrl: actor.model.dtype=bfloat16)")
-             + f". Steps per cell: {meta['steps']} ({meta['big_steps']} where sequences x "
+             f"hybridrl tp1, native engine. Precision: {PRECISIONS[meta.get('precision', 'fp32')]}. "
+             f"Steps per cell: {meta['steps']} ({meta['big_steps']} where sequences x "
              f"new tokens >= {meta['big_cell']}); step 1 is warm-up, not timed. Each side of a cell at most "
              f"{meta['cell_timeout_s']:.0f} s.", "",
              "| sequences | new tokens | TRL tokens/s | hybridrl tokens/s | ratio | TRL s/step | hybridrl s/step | "
@@ -181,7 +179,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quiet", type=float, default=15.0,
                         help="before each side, wait until the cores are under this %% busy (0: do not wait)")
     parser.add_argument("--quiet-wait", type=float, default=600.0, help="seconds to wait for --quiet at most")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
                         help="fp32: both sides fp32; bf16: TRL's default bf16 vs hybridrl bfloat16 (peer_job.Shape)")
     parser.add_argument("--resume", action="store_true", help="keep the cells the existing results finished")
     parser.add_argument("--out-name", default="peer_trl_sweep")
