@@ -25,6 +25,7 @@ from hybridrl.config import ConfigError, role_section, typed
 from hybridrl.data.verdicts import verdict_parser
 from hybridrl.models.hub import ModelReferenceError, resolve_model
 from hybridrl.models.lora_io import resolve_lora_config
+from hybridrl.models.precision import model_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def apply_auto_map(cfg: Any) -> dict:
     except ModelReferenceError as exc:
         raise ConfigError(str(exc)) from None
     try:
-        acc = _machine(devices, int(res.nodes), cfg.actor.model.dtype)
+        acc = _machine(devices, int(res.nodes), model_dtype(cfg.actor.model.dtype, actor_path))
         offload = cfg.actor.offload
         prob = make_problem(actor_path, alg.name, acc, devices, work, reference=step.reference, lora=_lora_roles(cfg),
                             engine=_engine(roll.engine, acc), offload=(offload.grads, offload.optimizer,

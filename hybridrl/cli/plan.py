@@ -242,7 +242,7 @@ def _run_memory(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = load_config(args.memory, args.overrides)
-        ledgers = plan_memory(plan_run(cfg), cfg, gpu(args.gpu))
+        ledgers = plan_memory(plan_run(cfg, on_gpu=True), cfg, gpu(args.gpu))
     except (ConfigError, ValueError, OSError) as exc:
         print(f"hybridrl plan --memory: {exc}", file=sys.stderr)
         return 2

@@ -65,7 +65,7 @@ class OptimConfig:
 @dataclass
 class ModelConfig:
     path: Optional[str] = None  # HF folder, hub id org/name[@revision] or tiny:<name>; None: the bundled tiny model
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "auto"  # auto (bf16 where native and worth it, else float32: models/precision.py) | float32 | bfloat16
 
 
 @dataclass
@@ -230,7 +230,7 @@ class DistillConfig:
     # where the teacher runs, like the reference: the actor's pool (colocated, the pool's layout) or its own
     pool: str = "default"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto | float32 | bfloat16, as a role's model.dtype
     micro_batch_size: int = 8
     max_tokens_per_micro_batch: Optional[int] = 8192
 
@@ -303,7 +303,7 @@ class ScoreModelConfig:
 
     kind: str = "scalar"  # scalar | generative
     model: Optional[str] = None  # an HF folder, hub id org/name[@rev] or tiny:<name>; None: no such model (rule reward)
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "auto"  # auto (bf16 where native and worth it, else float32: models/precision.py) | float32 | bfloat16
     pool: str = "default"  # resource pool name; roles on one pool colocate
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size: int = 8  # sequences per micro-batch when max_tokens_per_micro_batch is null

@@ -14,6 +14,7 @@ from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.hub import resolve_model
 from hybridrl.models.peft import tokenizer_folder
+from hybridrl.models.precision import model_dtype
 from hybridrl.parallel.generation import GenerationLayout, check_generation_layout
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, divisors
 from hybridrl.protocol import Batch
@@ -51,13 +52,14 @@ class Actor(Role):
                  optim: dict | OptimConfig | None = None, loss: dict | PolicyLossConfig | None = None,
                  micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
-                 dtype: str = "float32", tokenizer: Any = None, seed: int = 1, role: str = "actor",
+                 dtype: str = "auto", tokenizer: Any = None, seed: int = 1, role: str = "actor",
                  call_timeout_s: float | None = 3600.0, moe: dict | MoeConfig | None = None,
                  parallel_config: dict | ParallelConfig | ParallelLayout | None = None,
                  lora: dict | LoraConfig | None = None, offload: dict | OffloadConfig | None = None) -> None:
         parallel = parallel_argument(parallel, parallel_config, "Actor")
         path = resolve_model(model, "Actor(model=...)")  # a hub id is fetched here, before any worker starts
-        settings = RoleConfig(model=ModelConfig(path, dtype), moe=as_section(MoeConfig, moe, "Actor(moe=...)"),
+        settings = RoleConfig(model=ModelConfig(path, model_dtype(dtype, path)),
+                              moe=as_section(MoeConfig, moe, "Actor(moe=...)"),
                               lora=checked_lora(lora, "Actor(lora=...)"),
                               optim=as_section(OptimConfig, optim, "Actor(optim=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,

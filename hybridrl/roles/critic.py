@@ -8,6 +8,7 @@ import torch
 from hybridrl.config import LoraConfig, ModelConfig, OffloadConfig, OptimConfig, ParallelConfig, RoleConfig, as_section
 from hybridrl.controller import ResourcePool
 from hybridrl.models.hub import resolve_model
+from hybridrl.models.precision import model_dtype
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.roles.base import (DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, average_metrics, checked_lora,
                                  parallel_argument)
@@ -26,12 +27,13 @@ class Critic(Role):
                  parallel: dict | ParallelConfig | ParallelLayout | None = None,
                  optim: dict | OptimConfig | None = None, micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
-                 dtype: str = "float32", seed: int = 1, role: str = "critic",
+                 dtype: str = "auto", seed: int = 1, role: str = "critic",
                  call_timeout_s: float | None = 3600.0,
                  parallel_config: dict | ParallelConfig | ParallelLayout | None = None,
                  lora: dict | LoraConfig | None = None, offload: dict | OffloadConfig | None = None) -> None:
         parallel = parallel_argument(parallel, parallel_config, "Critic")
-        settings = RoleConfig(model=ModelConfig(resolve_model(model, "Critic(model=...)"), dtype),
+        path = resolve_model(model, "Critic(model=...)")
+        settings = RoleConfig(model=ModelConfig(path, model_dtype(dtype, path)),
                               optim=as_section(OptimConfig, optim, "Critic(optim=...)"),
                               lora=checked_lora(lora, "Critic(lora=...)"),
                               micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,

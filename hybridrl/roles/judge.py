@@ -23,6 +23,7 @@ from hybridrl.controller import ResourcePool
 from hybridrl.data.verdicts import JudgeTemplate, choice_values, scaled, verdict_parser
 from hybridrl.models import load_hf_config
 from hybridrl.models.hub import resolve_model
+from hybridrl.models.precision import model_dtype
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, layout_on, start_pool
@@ -77,7 +78,7 @@ class Judge(Role):
                  resource_pool: ResourcePool | None = None,
                  parallel: dict | ParallelConfig | ParallelLayout | None = None, *,
                  on_parse_error: float | str = 0.0, generation: dict | JudgeGenerationConfig | None = None,
-                 dtype: str = "float32", micro_batch_size: int = 8,
+                 dtype: str = "auto", micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, tokenizer: Any = None,
                  chat_template: bool | None = None, seed: int = 1, role: str = "judge",
                  call_timeout_s: float | None = 3600.0) -> None:
@@ -86,7 +87,8 @@ class Judge(Role):
         generation = as_section(JudgeGenerationConfig, generation, "Judge(generation=...)")
         if generation.engine == "auto":
             generation = dataclasses.replace(generation, engine="native")
-        scorer = ScoreModelConfig(kind="generative", model=resolve_model(model, "Judge(model=...)"), dtype=dtype,
+        path = resolve_model(model, "Judge(model=...)")
+        scorer = ScoreModelConfig(kind="generative", model=path, dtype=model_dtype(dtype, path),
                                   micro_batch_size=micro_batch_size,
                                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, tokenizer=tokenizer,
                                   chat_template=chat_template, template=template,

@@ -10,6 +10,7 @@ from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.hub import resolve_model
 from hybridrl.models.peft import tokenizer_folder
+from hybridrl.models.precision import model_dtype
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, parallel_argument
 from hybridrl.rollout.prompts import check_prompts
@@ -23,13 +24,13 @@ class ReferencePolicy(Role):
     def __init__(self, model: str | None = None, resource_pool: ResourcePool | None = None,
                  parallel: dict | ParallelConfig | ParallelLayout | None = None, micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
-                 dtype: str = "float32", seed: int = 1, role: str = "ref", tokenizer: Any = None,
+                 dtype: str = "auto", seed: int = 1, role: str = "ref", tokenizer: Any = None,
                  call_timeout_s: float | None = 3600.0,
                  parallel_config: dict | ParallelConfig | ParallelLayout | None = None) -> None:
         parallel = parallel_argument(parallel, parallel_config, "ReferencePolicy")
         path = resolve_model(model, "ReferencePolicy(model=...)")
         self.tokenizer = tokenizer_for(tokenizer_folder(path), tokenizer)  # to check the prompts given to get_log_probs
-        settings = RoleConfig(model=ModelConfig(path, dtype), micro_batch_size=micro_batch_size,
+        settings = RoleConfig(model=ModelConfig(path, model_dtype(dtype, path)), micro_batch_size=micro_batch_size,
                               max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         super().__init__(ReferenceWorker, role, resource_pool, parallel, {"role": settings, "seed": seed}, seed,
                          call_timeout_s)

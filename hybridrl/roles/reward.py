@@ -15,6 +15,7 @@ from hybridrl.controller import ResourcePool
 from hybridrl.data.tokenizer import tokenizer_for
 from hybridrl.models.hub import resolve_model, resolve_reference
 from hybridrl.models.peft import tokenizer_folder
+from hybridrl.models.precision import model_dtype
 from hybridrl.parallel.layout import ParallelLayout
 from hybridrl.protocol import Batch
 from hybridrl.roles.base import DEFAULT_MAX_TOKENS_PER_MICRO_BATCH, Role, parallel_argument
@@ -41,7 +42,7 @@ class RewardModel:
                  resource_pool: ResourcePool | None = None,
                  parallel: dict | ParallelConfig | ParallelLayout | None = None, micro_batch_size: int = 8,
                  max_tokens_per_micro_batch: int | None = DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
-                 dtype: str = "float32", tokenizer: Any = None, chat_template: bool | None = None, seed: int = 1,
+                 dtype: str = "auto", tokenizer: Any = None, chat_template: bool | None = None, seed: int = 1,
                  role: str = "reward", num_workers: int = 0, call_timeout_s: float | None = 3600.0,
                  format: str | None = None,  # noqa: A002 - the option's name (reward_model.format)
                  parallel_config: dict | ParallelConfig | ParallelLayout | None = None) -> None:
@@ -57,7 +58,7 @@ class RewardModel:
         if model is not None:
             path = resolve_model(model, "RewardModel(model=...)")  # a hub id is fetched before any worker starts
             self.text = TextScoring(path, tokenizer, chat_template, format)  # checked before any worker starts
-            scorer = ScoreModelConfig(model=path, dtype=dtype, micro_batch_size=micro_batch_size,
+            scorer = ScoreModelConfig(model=path, dtype=model_dtype(dtype, path), micro_batch_size=micro_batch_size,
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, format=format)
             self.role = Role(RewardModelWorker, role, resource_pool, parallel, {"scorer": scorer, "seed": seed}, seed,
                              call_timeout_s)

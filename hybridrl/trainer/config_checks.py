@@ -22,6 +22,7 @@ from hybridrl.models.lora import TARGET_NAMES
 from hybridrl.models.tiny import TINY_PREFIX
 from hybridrl.parallel.layout import FSDP_MODES
 from hybridrl.roles.reward import check_score_format
+from hybridrl.models.precision import CONCRETE_DTYPES, DTYPE_CHOICES
 from hybridrl.rollout import sampling_params_from_config
 from hybridrl.rollout.base import SamplingParamsError
 from hybridrl.trainer.tracking import BACKENDS
@@ -29,7 +30,6 @@ from hybridrl.trainer.tracking import BACKENDS
 MODEL_ROLES = ("actor", "ref", "critic")  # sections with model / parallel / optim
 SCORE_MODELS = ("reward_model", "cost_model")
 PLACED = ("algorithm.distill",)  # other sections with parallel / pool / micro-batches: the distillation teacher
-DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adam", "sgd")
 RAY_ADDRESS = re.compile(r"^(auto|(ray://)?[\w.\-]+:\d+)$")
 
@@ -113,7 +113,8 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("algorithm.lagrangian_init",), lambda v: _finite(v) and v >= 0, "must be >= 0", "e.g. 1.0"),
     (("{m}.model.path", "{s}.model", "{s}.tokenizer"), _exists, "does not exist",
      "give a Hugging Face model folder, a hub id org/name[@revision], a bundled tiny:<name>, or leave it unset"),
-    (("{m}.model.dtype", "{s}.dtype"), _one_of(*DTYPES), f"is not one of {list(DTYPES)}", "float32 on CPU"),
+    (("{m}.model.dtype", "{s}.dtype"), _one_of(*DTYPE_CHOICES), f"is not one of {list(DTYPE_CHOICES)}",
+     "auto: bf16 where it is native and pays, else float32 (models/precision.py)"),
     (("{r}.parallel.tp", "{r}.parallel.pp"), _at_least(1), "must be >= 1", "1 means no split"),
     (("{r}.parallel.dp",), _optional(_at_least(1)), "must be >= 1", "leave unset: the pool's devices / (tp * pp)"),
     (("{r}.parallel.ep",), _at_least(1), "must be >= 1", "1: every rank holds all experts"),
@@ -137,7 +138,7 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("rollout.tp",), _at_least(1), "must be >= 1", "a divisor of actor.parallel.tp"),
     (("rollout.max_model_len",), _optional(_at_least(1)), "must be >= 1", "leave unset"),
     (("rollout.max_batch_size",), _at_least(1), "must be >= 1", "sequences decoded together"),
-    (("rollout.vllm.dtype",), _optional(_one_of(*DTYPES)), f"is not one of {list(DTYPES)}",
+    (("rollout.vllm.dtype",), _optional(_one_of(*CONCRETE_DTYPES)), f"is not one of {list(CONCRETE_DTYPES)}",
      "leave unset: the actor's dtype"),
     (("rollout.vllm.kv_cache_memory_bytes",), _optional(_at_least(1)), "must be >= 1",
      "bytes of vLLM's KV cache on CPU, e.g. 67108864"),
@@ -195,7 +196,7 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("{s}.parser.choices",), _choices, "must be empty or two or more different answers", "e.g. ['yes', 'no']"),
     (("{s}.parser.choice_values",), _optional(lambda v: all(_finite(x) for x in v)), "must be numbers",
      "one value per answer, e.g. [1, 0]"),
-    (("{s}.generation.vllm.dtype",), _optional(_one_of(*DTYPES)), f"is not one of {list(DTYPES)}",
+    (("{s}.generation.vllm.dtype",), _optional(_one_of(*CONCRETE_DTYPES)), f"is not one of {list(CONCRETE_DTYPES)}",
      "leave unset: the judge's dtype"),
     (("{s}.generation.vllm.kv_cache_memory_bytes",), _optional(_at_least(1)), "must be >= 1", "e.g. 67108864"),
     (("{s}.generation.vllm.gpu_memory_utilization",), lambda v: _finite(v) and 0 < v <= 1, "must be in (0, 1]",
@@ -205,7 +206,8 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = [
     (("algorithm.distill.teacher",), _exists, "does not exist",
      "give the teacher's Hugging Face folder or a bundled tiny:<name>"),
     (("algorithm.distill.coef",), lambda v: _finite(v) and v >= 0, "must be >= 0", "1.0: the plain reverse KL"),
-    (("algorithm.distill.dtype",), _one_of(*DTYPES), f"is not one of {list(DTYPES)}", "float32 on CPU"),
+    (("algorithm.distill.dtype",), _one_of(*DTYPE_CHOICES), f"is not one of {list(DTYPE_CHOICES)}",
+     "auto: bf16 where it is native and pays, else float32 (models/precision.py)"),
 ]
 
 # LoRA adapters (actor.lora, critic.lora; models/lora.py)

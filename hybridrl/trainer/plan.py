@@ -28,6 +28,7 @@ from hybridrl.models.config import CheckpointError, hf_config_for_plan
 from hybridrl.models.families import ModelDims, family_for
 from hybridrl.models.hub import ModelReferenceError, resolve_model, resolve_reference
 from hybridrl.models.peft import is_peft_adapter, model_config
+from hybridrl.models.precision import model_dtype
 from hybridrl.parallel.layout import LayoutError, ParallelLayout, role_layout
 from hybridrl.parallel.placement import PlacementError, resolve_node_devices
 from hybridrl.roles.actor import check_generation
@@ -77,8 +78,10 @@ class RunPlan:
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S  # each role's start (trainer.start_timeout_s, or by model size)
 
 
-def plan_run(cfg: Any) -> RunPlan:
-    """Validate `cfg` and decide placement; no Ray, no worker, no model weights touched."""
+def plan_run(cfg: Any, on_gpu: bool | None = None) -> RunPlan:
+    """Validate `cfg` and decide placement; no Ray, no worker, no model weights touched. Each placed model's
+    `dtype: auto` is written back into `cfg` as the concrete dtype it runs in, for a GPU machine (on_gpu; None:
+    this machine's kind)."""
     check_values(cfg)  # each option's own value; below: how they fit together
     spec, loss_agg, response_length = _check_algorithm(cfg)
     _check_algorithm_options(cfg, spec, response_length)
@@ -95,7 +98,7 @@ def plan_run(cfg: Any) -> RunPlan:
     plan = RunPlan(algorithm=spec, pools=pools, step=step, rollout=typed(cfg.rollout),
                    loss=_loss(cfg, spec, loss_agg, response_length), response_length=response_length,
                    rows_per_step=rows, lora=lora, node_devices=_node_devices(cfg.resources, pools))
-    _place_roles(cfg, plan)
+    _place_roles(cfg, plan, on_gpu)
     for role, settings in lora.items():
         if role in plan.roles:
             check_lora_experts(role, settings, plan.roles[role].model_path, plan.roles[role].layout)
@@ -225,8 +228,9 @@ def _role_sections(cfg: Any, step: StepNeeds) -> list[tuple[str, str, Any, str]]
     return roles
 
 
-def _place_roles(cfg: Any, plan: RunPlan) -> None:
-    """Every role the step needs on its pool, in its layout; colocated roles share the first one's layout."""
+def _place_roles(cfg: Any, plan: RunPlan, on_gpu: bool | None) -> None:
+    """Every role the step needs on its pool, in its layout; colocated roles share the first one's layout; its
+    model's dtype resolved (auto: models/precision.py)."""
     held: dict[str, tuple[str, ParallelLayout]] = {}  # pool -> (first role, its layout)
     for role, option, role_cfg, path in _role_sections(cfg, plan.step):
         _check(role_cfg.pool in plan.pools, f"{option}.pool={role_cfg.pool!r} is not a pool; define "
@@ -239,6 +243,14 @@ def _place_roles(cfg: Any, plan: RunPlan) -> None:
         held.setdefault(role_cfg.pool, (role, layout))
         _check_model_fits(option, path, layout)
         plan.roles[role] = RolePlan(role, role_cfg.pool, layout, path)
+        holder = dtype_holder(role, role_cfg)
+        holder.dtype = model_dtype(holder.dtype, path, on_gpu)
+
+
+def dtype_holder(role: str, section: Any) -> Any:
+    """The node of a role's config section that holds its dtype: model.dtype for the Megatron roles, dtype beside
+    the model reference for score models and the distillation teacher."""
+    return section.model if role in ("actor", "ref", "critic", "cost_critic") else section
 
 
 def _start_timeout(cfg: Any, plan: RunPlan) -> float:

@@ -18,7 +18,7 @@ from hybridrl.config import role_section, typed
 from hybridrl.data.verdicts import verdict_parser
 from hybridrl.hybrid_engine.model_shapes import model_shapes
 from hybridrl.models.lora import adapter_numel
-from hybridrl.trainer.plan import RunPlan
+from hybridrl.trainer.plan import RunPlan, dtype_holder
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 TRAINED = ("actor", "critic", "cost_critic")
@@ -74,7 +74,7 @@ def _section(cfg: Any, name: str, plan: RunPlan) -> Any:
 
 def _load(name: str, role: Any, size: _Sized, section: Any, plan: RunPlan, cfg: Any, megatron: bool, lm_head: bool):
     layout = role.layout
-    dtype = section.model.dtype if name in ("actor", "ref", "critic", "cost_critic") else section.dtype
+    dtype = dtype_holder(name, section).dtype
     lora = plan.lora.get("critic" if name == "cost_critic" else name)
     adapters = 0.0
     if lora is not None and lora.enabled:
