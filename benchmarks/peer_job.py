@@ -67,10 +67,8 @@ class Shape:
     samples: int = 4  # responses per prompt (a GRPO group)
     new_tokens: int = 32  # response length (fixed) or its cap (natural)
     natural: bool = False  # EOS ends a response (lengths differ per sample); False: exactly new_tokens
-    # fp32: both sides in fp32 (TRL with bf16=False, a setting its user changes); bf16: TRL's own default (GRPOConfig
-    # bf16=True: fp32 weights, bf16 autocast) against hybridrl's actor.model.dtype=bfloat16 (Megatron's mixed
-    # precision: bf16 module, fp32 main weights in the optimizer)
-    precision: str = "fp32"
+    # a PRECISIONS key: default (each side as its user runs it), fp32 or bf16 (the same precision on both sides)
+    precision: str = "default"
     trl_micro_batch: int | None = None  # TRL's per_device_train_batch_size (None: all sequences in one)
 
     @property
@@ -80,13 +78,22 @@ class Shape:
     @property
     def label(self) -> str:
         return f"{self.sequences}x{self.new_tokens}{' natural' if self.natural else ''}" \
-            f"{' bf16' if self.precision == 'bf16' else ''}"
+            f"{'' if self.precision == 'default' else ' ' + self.precision}"
+
+    @property
+    def trl_precision(self) -> str:
+        """What TRL's side is told: fp32 sets bf16=False (a change its user makes); otherwise TRL's own default
+        (GRPOConfig bf16=True: fp32 weights, bf16 autocast)."""
+        return "fp32" if self.precision == "fp32" else "bf16"
 
 
 DEFAULT_SHAPE = Shape()
-PRECISIONS = {"fp32": "fp32 on both sides (TRL: GRPOConfig bf16=False)",
+PRECISIONS = {"default": "each side at its own default (TRL: GRPOConfig bf16=True, autocast; hybridrl: dtype auto, "
+                         "bf16 mixed precision where the CPU has bf16 units and hidden >= 512, else fp32)",
+              "fp32": "fp32 on both sides (TRL: GRPOConfig bf16=False)",
               "bf16": "bf16 mixed precision (TRL: its default GRPOConfig bf16=True, autocast; hybridrl: "
                       "actor.model.dtype=bfloat16, fp32 main weights)"}
+HYBRIDRL_DTYPE = {"default": [], "fp32": ["actor.model.dtype=float32"], "bf16": ["actor.model.dtype=bfloat16"]}
 
 
 def word_reward(prompt: str, response: str, target: str | None = None, min_words: int = 4, **_: Any) -> float:
@@ -374,7 +381,7 @@ def hybridrl_overrides(job: dict[str, str], layout: str, steps: int, run_dir: Pa
             f"rollout.max_new_tokens={shape.new_tokens}", f"rollout.ignore_eos={str(not shape.natural).lower()}",
             f"trainer.steps={steps}", f"trainer.seed={JOB['seed'] + 1}", f"trainer.run_dir={run_dir}",
             "trainer.trackers=[]", "trainer.progress_bar=false", "trainer.save_every=0"] + \
-        (["actor.model.dtype=bfloat16"] if shape.precision == "bf16" else [])
+        HYBRIDRL_DTYPE[shape.precision]
 
 
 def hybridrl_steps(run_dir: Path, shape: Shape = DEFAULT_SHAPE) -> list[dict]:
@@ -442,7 +449,7 @@ def run_trl(job: dict[str, str], size: str, shape: Shape, steps: int, work: Path
     cmd = [*prefix, str(venv_python()), str(BENCH_DIR / "peer_trl_worker.py"), "--model-dir", job["model"], "--data",
            job["data"], "--steps", str(steps), "--out", str(out), "--out-dir", str(work / f"trl-out-{tag}"),
            "--prompts", str(shape.prompts), "--samples", str(shape.samples), "--new-tokens", str(shape.new_tokens)]
-    cmd += (["--natural"] if shape.natural else []) + ["--precision", shape.precision] + \
+    cmd += (["--natural"] if shape.natural else []) + ["--precision", shape.trl_precision] + \
         (["--micro-batch", str(shape.trl_micro_batch)] if shape.trl_micro_batch else [])
     env, _ = side_env(None)
     proc = run_side(cmd, env, work / f"trl-{tag}.log", timeout)

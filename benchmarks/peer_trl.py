@@ -23,10 +23,13 @@ reports which share of the positions each side computes are real tokens (update:
     python benchmarks/peer_trl.py --quick                         # small model, 6 steps, tp1
     python benchmarks/peer_trl.py --lengths natural --rounds 3 --layouts tp1   # -> results/peer_trl_natural.*
     python benchmarks/peer_trl.py --precision bf16 --rounds 3 --layouts tp1    # -> results/peer_trl_bf16.*
+    python benchmarks/peer_trl.py --precision fp32 --rounds 3 --layouts tp1    # -> results/peer_trl_fp32.*
 
---precision fp32 (default) is the job both sides run in fp32: TRL with GRPOConfig(bf16=False), a setting its user
-changes. --precision bf16 runs TRL at its own default (bf16=True: fp32 weights, bf16 autocast) and hybridrl with
-actor.model.dtype=bfloat16 (Megatron's mixed precision: bf16 module, fp32 main weights in the optimizer).
+--precision default runs each side as its user does: TRL at its own default (GRPOConfig bf16=True: fp32 weights,
+bf16 autocast), hybridrl at its own (dtype auto: bf16 mixed precision where the CPU has bf16 units and the model's
+hidden size is >= 512, fp32 below; hybridrl/models/precision.py). --precision fp32 runs both in fp32 (TRL told
+bf16=False, a setting its user changes); --precision bf16 both in bf16 (hybridrl actor.model.dtype=bfloat16:
+Megatron's mixed precision, bf16 module, fp32 main weights in the optimizer).
     python benchmarks/peer_trl.py --profile DIR ...               # each side under py-spy (raw stacks in DIR)
     hybridrl bench peer_trl --sizes 25m --steps 4
 """
@@ -244,8 +247,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the order alternates)")
     parser.add_argument("--lengths", choices=("fixed", "natural"), default="fixed",
                         help="fixed: exactly 32 new tokens; natural: EOS ends a response (results peer_trl_natural)")
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
-                        help="fp32: both sides fp32; bf16: TRL's default bf16 vs hybridrl bfloat16 (results *_bf16)")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="default",
+                        help="default: each side's own; fp32 / bf16: both sides in it (results *_fp32, *_bf16)")
     parser.add_argument("--quick", action="store_true", help="small model, 6 steps, tp1, one round")
     parser.add_argument("--no-trl", action="store_true", help="hybridrl side only (no venv)")
     parser.add_argument("--profile", default=None, help="folder for py-spy's raw stacks of each side's run")
@@ -285,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = run_rounds(args, args.size_list, args.layout_list, shape, jobs, Path(tmp))
     round_ratios(rounds)
     rows = median_rows(rounds)
-    name = "peer_trl" + ("_natural" if shape.natural else "") + ("_bf16" if shape.precision == "bf16" else "")
+    name = "peer_trl" + ("_natural" if shape.natural else "") + \
+        ("" if shape.precision == "default" else f"_{shape.precision}")
     meta = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host_cpus": os.cpu_count(),
             "machine_desc": f"{platform.machine()}, {os.cpu_count()} cores, no GPU", "python": platform.python_version(),
             "load_avg_start": round(load_start, 2), "load_avg_end": round(os.getloadavg()[0], 2),

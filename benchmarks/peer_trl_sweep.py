@@ -54,7 +54,7 @@ def cell_key(sequences: int, new_tokens: int) -> str:
 
 
 def run_cell(job: dict, size: str, sequences: int, new_tokens: int, steps: int, order: list[str], timeout: float,
-             work: Path, quiet: tuple[float, float] = (0.0, 0.0), precision: str = "fp32") -> dict:
+             work: Path, quiet: tuple[float, float] = (0.0, 0.0), precision: str = "default") -> dict:
     shape = Shape(prompts=sequences // SAMPLES, samples=SAMPLES, new_tokens=new_tokens,
                   trl_micro_batch=trl_micro_batch(sequences, new_tokens), precision=precision)
     cell = {"cell": cell_key(sequences, new_tokens), "sequences": sequences, "new_tokens": new_tokens,
@@ -179,12 +179,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quiet", type=float, default=15.0,
                         help="before each side, wait until the cores are under this %% busy (0: do not wait)")
     parser.add_argument("--quiet-wait", type=float, default=600.0, help="seconds to wait for --quiet at most")
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
-                        help="fp32: both sides fp32; bf16: TRL's default bf16 vs hybridrl bfloat16 (peer_job.Shape)")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="default",
+                        help="default: each side's own; fp32 / bf16: both sides in it (peer_job.PRECISIONS)")
     parser.add_argument("--resume", action="store_true", help="keep the cells the existing results finished")
-    parser.add_argument("--out-name", default="peer_trl_sweep")
+    parser.add_argument("--out-name", default=None, help="results name (default peer_trl_sweep[_<precision>])")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
+    args.out_name = args.out_name or "peer_trl_sweep" + ("" if args.precision == "default" else f"_{args.precision}")
     args.batch_list = [int(x) for x in args.batches.split(",") if x.strip()]
     args.length_list = [int(x) for x in args.lengths.split(",") if x.strip()]
     if any(b < SAMPLES or b % SAMPLES for b in args.batch_list):
@@ -200,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{args.out_name}.json"
-    previous = json.loads(json_path.read_text())["cells"] if args.resume and json_path.is_file() else []
+    previous = json.loads(json_path.read_text()) if args.resume and json_path.is_file() else {"cells": []}
+    if previous["cells"] and previous["meta"].get("precision", "fp32") != args.precision:
+        raise SystemExit(f"--resume: {json_path} holds --precision {previous['meta'].get('precision', 'fp32')} "
+                         f"cells, not {args.precision}")
+    previous = previous["cells"]
     wanted = [(b, n) for b in args.batch_list for n in args.length_list]
     if args.cells:
         picked = {c.strip() for c in args.cells.split(",") if c.strip()}

@@ -100,13 +100,19 @@ def test_natural_length_shape_config(job, tmp_path):
     assert plan.rows_per_step == 256 == shape.sequences
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["default", "fp32", "bf16"])
 def test_precision_is_the_same_on_both_sides(job, tmp_path, precision):
-    """bf16: hybridrl's actor trains and generates in bfloat16 (fp32 main weights), TRL keeps its default bf16=True;
+    """default: each side as its user runs it (hybridrl's dtype auto as the plan resolves it, TRL's bf16=True);
+    bf16: hybridrl's actor trains and generates in bfloat16 (fp32 main weights), TRL keeps its default bf16=True;
     fp32: both in float32, TRL told bf16=False."""
     from hybridrl.config import load_config
+    from hybridrl.models.precision import model_dtype
+    from hybridrl.trainer.plan import plan_run
 
     shape = peer_trl.Shape(precision=precision)
     cfg = load_config("configs/grpo_tiny.yaml", peer_trl.hybridrl_overrides(job, "tp1", 3, tmp_path / "run", shape))
-    assert cfg.actor.model.dtype == {"fp32": "float32", "bf16": "bfloat16"}[precision]
-    assert shape.label == "64x32" + (" bf16" if precision == "bf16" else "")
+    plan_run(cfg)
+    expected = {"fp32": "float32", "bf16": "bfloat16", "default": model_dtype("auto", job["model"])}[precision]
+    assert cfg.actor.model.dtype == expected
+    assert shape.trl_precision == ("fp32" if precision == "fp32" else "bf16")
+    assert shape.label == "64x32" + ("" if precision == "default" else f" {precision}")
