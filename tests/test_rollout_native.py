@@ -295,6 +295,48 @@ def test_lean_forward_equals_megatron_forward(dist_pool, family_dirs):
                     assert lean_steps == int(lengths.sum()) < ref_steps, (name, tp)
 
 
+def _bf16_lean_vs_full_forward(model_dirs: dict) -> dict:
+    """Per model in bf16: the lean engine's sampled log-probs and the same tokens' log-probs from Megatron's full
+    forward, with how many packed weights the chunk used."""
+    from hybridrl.models.builder import build_gpt_model
+    from hybridrl.models.checkpoint_hf import load_hf_weights
+    from hybridrl.models.config import load_hf_config
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+    from hybridrl.rollout import SamplingParams
+    from hybridrl.rollout.native import NativeRolloutEngine
+    from hybridrl.rollout.sampling import sampling_log_probs
+
+    initialize_model_parallel(ParallelLayout(tp=1, dp=2))
+    out = {}
+    for name in ("llama_gqa_tied", "qwen3_qk_norm"):
+        hf_config = load_hf_config(model_dirs[name])
+        model = build_gpt_model(hf_config, dtype=torch.bfloat16)
+        load_hf_weights(model, model_dirs[name], hf_config)
+        engine = NativeRolloutEngine(model.eval(), vocab_size=hf_config.vocab_size, max_model_len=32, max_batch_size=4)
+        params = SamplingParams(n=2, seed=5, temperature=1.0, max_new_tokens=NEW_TOKENS)
+        batch = engine.generate(PROMPTS, params)
+        logits = _recompute_logits(model, batch, hf_config.vocab_size)
+        full = sampling_log_probs(logits, params).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+        mask = batch["response_mask"].bool()
+        out[name] = (batch["rollout_log_probs"][mask], full[mask], len(engine._fast._packed),
+                     hf_config.num_hidden_layers)
+    return out
+
+
+def test_lean_forward_in_bf16_follows_megatron(dist_pool, family_dirs):
+    """bf16 (dtype auto on a CPU with bf16 units, models of hidden >= 512): the lean forward's decode attention runs
+    on SDPA and its linears on weights packed for oneDNN once per chunk; the sampled tokens' log-probs stay within
+    bf16's rounding of Megatron's full forward on the same sequences."""
+    from hybridrl.rollout import fast_decode
+
+    for name, (lean, full, packed, layers) in dist_pool(2).run(_bf16_lean_vs_full_forward, family_dirs)[0].items():
+        assert packed == (4 * layers if fast_decode._ONEDNN_PACKING else 0), name
+        gap = (lean - full).abs()
+        assert gap.max().item() <= 0.05 and gap.mean().item() <= 0.005, (name, gap.max().item(), gap.mean().item())
+        assert lean.lt(0).any(), name  # real log-probs, not zeros
+
+
 class _MaskIgnoringAttention(torch.nn.Module):
     """Transformer Engine's attention as its layer spec runs it (causal in the prefill, no_mask in decode steps),
     on CPU: Megatron's local attention with the engine's padding mask dropped (its softmax then builds the causal
