@@ -113,7 +113,8 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    # megatron.core: swiglu.py imports it at its top; this module loads Megatron only where a model is built
+    # megatron.core: these modules import it at their top; this module loads Megatron only where a model is built
+    from hybridrl.models.attention import use_grouped_attention
     from hybridrl.models.swiglu import use_swiglu_mlp
 
     if head not in HEADS:
@@ -142,6 +143,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", pre_process: bool | Non
     if head == "scalar" and post_process:
         model.output_layer = ScalarHead(config, tp_group)
     use_swiglu_mlp(model)
+    use_grouped_attention(model)
     if dtype != torch.float32 and not use_cuda():
         model = model.to(dtype)
     model.hybridrl_args = args
