@@ -196,6 +196,40 @@ def test_offloaded_generation_changes_no_update(dist_pool, model_dir, dtype):
                 assert plain[step][key] == offloaded[step][key], (rank, step, key)
 
 
+def _fused_against_looped_adam(model_dir):
+    """One update of the same fp32 model on the same batch with the optimizer MegatronModel builds (torch's fused
+    Adam on CPU) and with torch's default per-op Adam (a second update would also compare two different gradients,
+    through Adam's normalisation of the small ones)."""
+    from hybridrl.parallel.distributed import initialize_model_parallel
+    from hybridrl.parallel.layout import ParallelLayout
+
+    initialize_model_parallel(ParallelLayout(tp=1, dp=2))
+    rank = torch.distributed.get_rank()
+    weights, flags = {}, {}
+    for name in ("fused", "looped"):
+        model = _actor(model_dir, "float32", {})
+        groups = [g for part in model.optimizer.chained_optimizers for g in part.optimizer.param_groups]
+        flags[name] = {g["fused"] for g in groups}
+        if name == "looped":
+            for group in groups:
+                group.update(fused=False, foreach=False)
+        start = {n: p.detach().clone() for n, p in model.inner.named_parameters()}
+        _update(model, _rollout(rank))
+        weights[name] = {n: p.detach().clone() for n, p in model.inner.named_parameters()}
+    moved = max((weights["fused"][n] - start[n]).abs().max().item() for n in start)
+    gap = max((weights["fused"][n] - weights["looped"][n]).abs().max().item() for n in start)
+    return {"fused_flags": flags["fused"], "moved": moved, "gap": gap}
+
+
+def test_cpu_adam_is_fused_and_equals_the_looped_update(dist_pool, model_dir):
+    """Without TE / Apex, MegatronModel runs torch's fused Adam on CPU (one pass per parameter shard instead of
+    torch's default op-by-op loop): an update at DP=2 with the distributed optimizer moves the weights by ~lr and
+    lands within fp32 rounding (1e-6) of the looped Adam's."""
+    for r in dist_pool(WORLD).run(_fused_against_looped_adam, model_dir):
+        assert r["fused_flags"] == {True}
+        assert r["moved"] > 1e-3 and r["gap"] <= 1e-6, r
+
+
 class _HostReads(torch.overrides.TorchFunctionMode):
     """Counts the calls that read a tensor's value back to the host (each one a GPU sync)."""
 
