@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from hybridrl.models.config import hf_config_for_plan
+from hybridrl.models.peft import is_peft_adapter, model_config
+
 AUTO = "auto"
 CONCRETE_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = (AUTO, *CONCRETE_DTYPES)
@@ -58,8 +61,5 @@ def model_dtype(name: str, model_path: Any, on_gpu: bool | None = None) -> str:
     """resolve_dtype for a model folder (or a PEFT adapter folder: its base model's size), read without weights."""
     if name != AUTO:
         return name
-    from hybridrl.models.config import hf_config_for_plan
-    from hybridrl.models.peft import is_peft_adapter, model_config
-
     return resolve_dtype(name, model_config(model_path) if is_peft_adapter(model_path)
                          else hf_config_for_plan(model_path), on_gpu)
