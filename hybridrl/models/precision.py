@@ -34,17 +34,13 @@ def cpu_has_native_bf16() -> bool:
     return any(probe is not None and probe() for probe in probes)
 
 
-def gpu_has_bf16() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
 def auto_dtype(hidden_size: int, on_gpu: bool | None = None, cpu_bf16: bool | None = None) -> str:
     """What auto means for a model of `hidden_size` on a GPU (on_gpu; None: this machine has CUDA) or a CPU
     (cpu_bf16: whether it multiplies bf16 natively; None: this machine's)."""
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        return "bfloat16" if (gpu_has_bf16() if torch.cuda.is_available() else True) else "float32"
+    if on_gpu:  # planned from a machine without CUDA (hybridrl plan --memory --gpu): a GPU with bf16
+        return "float32" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bfloat16"
     if cpu_bf16 is None:
         cpu_bf16 = cpu_has_native_bf16()
     return "bfloat16" if cpu_bf16 and hidden_size >= CPU_BF16_MIN_HIDDEN else "float32"
