@@ -8,7 +8,7 @@ from hybridrl.config.schema import (LORA_INITS, ROLE_SECTIONS, AlgorithmConfig, 
                                     MachineError, ModelConfig, MoeConfig, OffloadConfig, OptimConfig, ParallelConfig,
                                     ResourcesConfig, RewardConfig, RewardSourceConfig, RoleConfig, RolloutConfig,
                                     ScoreModelConfig, TrainerConfig, VerdictParserConfig, VllmConfig, check_config,
-                                    role_section)
+                                    dtype_holder, role_section)
 
 __all__ = [
     "CONFIG_DIR", "LORA_INITS", "MOVED_OPTIONS", "ROLE_SECTIONS", "AlgorithmConfig", "ConfigError", "DataConfig",
@@ -17,5 +17,5 @@ __all__ = [
     "RewardConfig", "RewardSourceConfig", "RoleConfig", "RolloutConfig", "ScoreModelConfig", "TrainerConfig",
     "VerdictParserConfig", "VllmConfig", "apply_algorithm_defaults", "as_section", "check_config", "find_config",
     "load_config",
-    "role_section", "to_yaml", "typed",
+    "dtype_holder", "role_section", "to_yaml", "typed",
 ]

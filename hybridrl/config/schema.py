@@ -421,3 +421,9 @@ def role_section(cfg: Any, role: str, create: bool = False) -> Any:
     for key in ROLE_SECTIONS.get(role, role).split("."):
         node = node.setdefault(key, {}) if create and isinstance(node, dict) else node[key]
     return node
+
+
+def dtype_holder(role: str, section: Any) -> Any:
+    """The node of a role's config section that holds its dtype: model.dtype for the Megatron roles, dtype beside
+    the model reference for score models, reward sources and the distillation teacher."""
+    return section.model if role in ("actor", "ref", "critic", "cost_critic") else section

@@ -21,7 +21,8 @@ from hybridrl.algorithms.loss_agg import check_loss_agg
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
-from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, check_config as _check, typed
+from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, check_config as _check, dtype_holder, \
+    typed
 from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
 from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models.config import CheckpointError, hf_config_for_plan
@@ -246,11 +247,6 @@ def _place_roles(cfg: Any, plan: RunPlan, on_gpu: bool | None) -> None:
         holder = dtype_holder(role, role_cfg)
         holder.dtype = model_dtype(holder.dtype, path, on_gpu)
 
-
-def dtype_holder(role: str, section: Any) -> Any:
-    """The node of a role's config section that holds its dtype: model.dtype for the Megatron roles, dtype beside
-    the model reference for score models and the distillation teacher."""
-    return section.model if role in ("actor", "ref", "critic", "cost_critic") else section
 
 
 def _start_timeout(cfg: Any, plan: RunPlan) -> float:

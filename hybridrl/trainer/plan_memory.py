@@ -14,11 +14,11 @@ from typing import Any
 from hybridrl.automap.cost import ModelStats
 from hybridrl.automap.hardware import Accelerator
 from hybridrl.automap.ledger import Generation, Ledger, load_of, pool_ledger
-from hybridrl.config import role_section, typed
+from hybridrl.config import dtype_holder, role_section, typed
 from hybridrl.data.verdicts import verdict_parser
 from hybridrl.hybrid_engine.model_shapes import model_shapes
 from hybridrl.models.lora import adapter_numel
-from hybridrl.trainer.plan import RunPlan, dtype_holder
+from hybridrl.trainer.plan import RunPlan
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 TRAINED = ("actor", "critic", "cost_critic")
