@@ -219,6 +219,57 @@ with interrupts.stop_on_signals():
 """
 
 
+_LATE_COPY = """
+import os, signal, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+import ray
+from hybridrl.cli import train
+from hybridrl.controller import interrupts
+import hybridrl.trainer.run
+
+def stop():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+class Trainer:  # the driver's side of a run: real Ray (its init installs its SIGTERM handler, sys.exit(15))
+    step = 0
+    def start_ray(self):
+        ray.init(num_cpus=1, include_dashboard=False)
+        if sys.argv[1] == "during start":  # the stop comes while Ray's handler is current
+            stop()
+    def close(self):  # the workers close: the batch script's copy of the same stop comes now
+        if sys.argv[1] == "while closing":
+            stop()
+            time.sleep(0.3)
+        ray.shutdown()
+
+def run_training(*args):  # the controller's wait loop
+    if sys.argv[1] == "while closing":
+        stop()
+    while True:
+        interrupts.raise_if_requested()
+        time.sleep(0.05)
+
+hybridrl.trainer.run.run_training = run_training
+tracker = SimpleNamespace(plot=lambda: None, close=lambda: None)
+cfg = SimpleNamespace(trainer=SimpleNamespace(save_on_signal=False))
+sys.exit(train._train(cfg, Trainer(), tracker, Path(sys.argv[2]), None))
+"""
+
+
+@pytest.mark.parametrize("when", ["during start", "while closing"])
+def test_a_stop_while_ray_starts_or_the_workers_close_is_the_runs_one_line(tmp_path, when):
+    """Ray's init installs its own SIGTERM handler (sys.exit(15)): the stop handler is put back over it at once and
+    stays until the last line, so a copy of the stop that comes as the workers close (before: exit 15 and no line,
+    CI's Slurm time-limit test) or a stop while Ray starts ends the run with its one line and 143."""
+    proc = subprocess.run([sys.executable, "-c", _LATE_COPY, when, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-3000:])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("hybridrl train: interrupted (SIGTERM) at step 1; no checkpoint was saved (set "
+                    "trainer.save_every=K to be able to resume)"), proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("case", ["twice", "hung"])
 def test_a_stop_delivered_twice_is_one_stop_and_a_later_one_forces(case):
     """Slurm's time limit and scancel signal every process of the job, and the batch script forwards its own

@@ -172,6 +172,13 @@ def _wait_job(job_id: str, timeout_s: float = 600) -> str:
     return state
 
 
+def _finished_log(run_dir: Path, job_id: str) -> str:
+    """The job's log once none of its processes is left: Slurm marks a job TIMEOUT / CANCELLED when it signals
+    it, while the batch script's trap is still stopping the trainer and Ray and writing the log."""
+    assert wait_no_processes(job_id, timeout_s=60) == []  # KillWait (10 s in scripts/slurm_local.sh) bounds it
+    return (run_dir / f"slurm-{job_id}.out").read_text()
+
+
 def _interrupted_line(job_log: str, run_dir: Path) -> int:
     """The trainer's last line in the job log; returns the step of the checkpoint it names (checked complete)."""
     line = next(text for text in reversed(job_log.splitlines()) if text.startswith("hybridrl train: "))
@@ -199,10 +206,10 @@ def test_time_limit_and_scancel_stop_the_trainer_cleanly(slurm, tmp_path):
         proc = submit(*common, "--time", "1", "--job-name", "hr-test-limit", "--wait", "--wait-timeout", "400",
                       timeout=500)  # the 1-minute limit ends it
         job_id = (run_dir / "job_id").read_text().strip()
-        job_log = (run_dir / f"slurm-{job_id}.out").read_text()
+        job_log = _finished_log(run_dir, job_id)
         assert f"job {job_id} TIMEOUT" in proc.stderr, f"{proc.stdout}\n{proc.stderr}\n{job_log}"
         saved = _interrupted_line(job_log, run_dir)
-        assert "command exited with 143 (stopped by SIGTERM)" in job_log and wait_no_processes(job_id) == []
+        assert "command exited with 143 (stopped by SIGTERM)" in job_log
         assert not Path(f"/tmp/hr-ray-{job_id}").exists()
 
         proc = submit(*common, "--time", "10", "--job-name", "hr-test-cancel", "trainer.resume=auto", timeout=120)
@@ -216,13 +223,13 @@ def test_time_limit_and_scancel_stop_the_trainer_cleanly(slurm, tmp_path):
         assert _wait_job(job_id) == "CANCELLED"
     finally:
         cancel(run_dir)
-    job_log = (run_dir / f"slurm-{job_id}.out").read_text()
+    job_log = _finished_log(run_dir, job_id)
     assert f"resuming from {run_dir}/ckpt/step_{saved}" in job_log, job_log[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps[:saved + 2] == list(range(1, saved + 3))  # continued where the time limit stopped it
     _interrupted_line(job_log, run_dir)
     assert "command exited with 143 (stopped by SIGTERM)" in job_log
-    assert wait_no_processes(job_id) == [] and not Path(f"/tmp/hr-ray-{job_id}").exists()
+    assert not Path(f"/tmp/hr-ray-{job_id}").exists()
 
 
 def job_state_of(job_id: str) -> str:

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from hybridrl.automap.apply import apply_auto_map
@@ -236,23 +237,44 @@ def _open_run_folder(run_dir, cfg, plan, auto_map) -> MetricsTracker:
 def _train(cfg, trainer, tracker, run_dir, resume_from) -> int:
     """Train, close the workers, and end with one line (exit codes: EXIT_CODES)."""
     # start-up time: torch and Ray (see run)
-    from hybridrl.controller.interrupts import stop_on_signals
+    from hybridrl.controller import interrupts
     from hybridrl.trainer.run import run_training
 
     failure, closed = None, True
-    try:
-        trainer.start_ray()  # Ray installs its own SIGTERM handler; ours goes on top of it
-        with stop_on_signals(_signal_deferral(cfg.trainer)):
-            run_training(trainer, tracker, run_dir, resume_from)
-    except BaseException as exc:  # noqa: BLE001 - known stops become one line below, the rest is re-raised
-        failure = exc
-    finally:
-        closed = _close(trainer, failure)
+    # the stop handler stays ours until the last line, so a late copy of the stop is not Ray's sys.exit(15)
+    with interrupts.stop_on_signals(_signal_deferral(cfg.trainer)):
         try:
-            tracker.plot()
-            tracker.close()
-        except OSError as exc:  # a full disk: said below, after the failure that came first
-            failure = failure or MachineError.writing(run_dir, exc)
+            _start_ray(trainer)
+            run_training(trainer, tracker, run_dir, resume_from)
+            interrupts.raise_pending()  # a signal during the last step's bookkeeping
+        except BaseException as exc:  # noqa: BLE001 - known stops become one line below, the rest is re-raised
+            failure = exc
+        finally:
+            closed = _close(trainer, failure)
+            try:
+                tracker.plot()
+                tracker.close()
+            except OSError as exc:  # a full disk: said below, after the failure that came first
+                failure = failure or MachineError.writing(run_dir, exc)
+        return _last_line(trainer, failure, closed, run_dir)
+
+
+def _start_ray(trainer) -> None:
+    """Start or join Ray, then put the stop handler back over the one Ray's init installs (`sys.exit(15)`); a
+    SIGTERM that comes while Ray's is current is this run's stop all the same."""
+    from hybridrl.controller.interrupts import Interrupted, rearm
+
+    try:
+        trainer.start_ray()
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        raise Interrupted(signal.SIGTERM) from None
+    rearm()
+
+
+def _last_line(trainer, failure: BaseException | None, closed: bool, run_dir) -> int:
+    """The run's last line and exit code (EXIT_CODES); an unexpected error is re-raised."""
     if failure is None:
         print(f"done: {trainer.step} steps; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
         return EXIT_CODES["done"]

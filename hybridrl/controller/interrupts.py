@@ -3,12 +3,17 @@
 Why not raise from the signal handler: the driver spends its time inside `ray.get`, and an exception raised
 by a handler there comes out as a SystemError ("GetTimeoutError returned a result with an exception set")
 that polling code takes for a timeout. Ray's `init` also replaces the SIGTERM handler with `sys.exit(15)`,
-which tears the process down mid-call (exit 134 and a C++ stack dump). So `stop_on_signals()`, entered after
-Ray is up, only records the signal; the controller's wait loop (`raise_if_requested`, every 0.5 s) raises
+which tears the process down mid-call (exit 134 and a C++ stack dump). So `stop_on_signals()`'s handler (put back over
+Ray's once Ray is up) only records the signal; the controller's wait loop (`raise_if_requested`, every 0.5 s) raises
 it. The same stop often arrives twice within milliseconds (Slurm signals every process of the job, and the
 batch script forwards its own copy to the trainer; a group signal and a supervisor's): a repeat within
 REPEAT_WINDOW_S of the first is that same stop and is ignored (before, it killed the driver before its one
 line). A signal after that gets the default behaviour, so a stuck shutdown can still be forced.
+
+The handler stays ours until the run's last line: `hybridrl train` enters `stop_on_signals()` before Ray starts,
+puts it back with `rearm()` once Ray's init has replaced it, and closes its workers inside it, so a copy of the stop
+that comes while the workers close is still recognised as the same stop (under Ray's handler it was a
+sys.exit(15) before the one line).
 
 `stop_on_signals(defer_s=S)` (trainer.save_on_signal) holds the signal back for up to S seconds: the wait loop
 lets the calls in flight finish, and the trainer, between steps, sees `pending()` and saves one more checkpoint
@@ -27,6 +32,7 @@ REPEAT_WINDOW_S = 2.0  # a signal this soon after the first is the same stop del
 _requested: list[tuple[int, float]] = []  # the signal received and not yet raised, and when
 _first_at: list[float] = []  # when this run's first signal came (kept after it is raised)
 _defer_s: list[float] = []  # while set: how long a received signal may wait for the step and its save
+_handler: list = []  # while stop_on_signals is entered: its signal handler
 
 
 class Interrupted(BaseException):
@@ -81,16 +87,23 @@ def stop_on_signals(defer_s: float | None = None) -> Iterator[None]:
         _first_at.append(now)
         _requested.append((signum, now))
 
-    for sig in SIGNALS:
-        signal.signal(sig, on_signal)
+    _handler.append(on_signal)
+    rearm()
     if defer_s is not None:
         _defer_s.append(max(0.0, defer_s))
     try:
-        yield
-        raise_pending()  # a signal during the last step's bookkeeping
+        yield  # a signal not raised by the end stays unraised: the caller says where its run may still stop
     finally:
         _requested.clear()
         _defer_s.clear()
         _first_at.clear()
+        _handler.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def rearm() -> None:
+    """Inside `stop_on_signals`: make its handler current again (Ray's init installs a SIGTERM handler of its own,
+    `sys.exit(15)`, over whatever was there)."""
+    for sig in SIGNALS:
+        signal.signal(sig, _handler[0])
