@@ -90,6 +90,7 @@ def _native_suite(model_dir: str, new_model_dir: str, tp: int) -> dict:
 
     # release() frees the KV cache; generate() refuses until wake(); results are unchanged afterwards.
     out["kv_bytes_before_release"] = engine.kv_cache_bytes()
+    out["kv_bytes_per_row"], out["chunk_rows"] = engine.kv_bytes_per_row(), engine.chunk_rows()
     engine.release()
     out["kv_bytes_released"] = engine.kv_cache_bytes()
     try:
@@ -222,6 +223,10 @@ def test_release_frees_kv_cache_and_wake_restores(results):
     for tp in (1, 2):
         r = results[tp][0]
         assert r["kv_bytes_before_release"] > 0 and r["kv_bytes_released"] == 0
+        # the size a GPU's free memory is divided by (chunk_rows) is what a row's cache takes: the last call's last
+        # chunk held 1 row (5 prompts, 4 per chunk); layers x (K, V) x groups / tp x head_dim x 32 positions x fp32
+        assert r["kv_bytes_per_row"] == r["kv_bytes_before_release"] == 2 * 2 * (2 // tp) * 32 * 32 * 4
+        assert r["chunk_rows"] == 4  # on a CPU: rollout.max_batch_size
         assert "call wake() first" in r["generate_while_released"]
         assert torch.equal(r["greedy_after_wake"]["responses"], r["greedy"]["responses"])
 

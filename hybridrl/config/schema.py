@@ -168,7 +168,10 @@ class RolloutConfig:
     reshard: str = "hybrid"  # hybrid | ds_chat | hybridflow_v
     bucket_mb: float = 32.0  # most MiB one reshard collective outputs (bounds the transient scratch)
     max_model_len: Optional[int] = None  # None: data.max_prompt_length + max_new_tokens
-    max_batch_size: int = 64  # rows decoded together per generation replica (native engine)
+    # rows decoded together per generation replica (native engine): its KV cache holds this many sequences of
+    # max_model_len; 256 as vLLM's max_num_seqs (on 2 CPU cores 256 x 32 tokens decode 1.75x faster in one batch
+    # than in four of 64)
+    max_batch_size: int = 256
     # the pool generation runs on: the actor's (colocated, the 3D-HybridEngine) or one of its own (disaggregated:
     # weights sent shard to shard after each update, hybrid_engine/bridge.py)
     pool: str = "default"

@@ -20,6 +20,10 @@ with no extra communication. Pipeline parallelism at generation (p_g > 1) is not
 record_routing (mixture-of-experts models): the experts every forward routed each token to are kept per
 sequence (prompt and response positions; models/routing_replay.py), for the trainer to replay or compare.
 
+Rows per chunk: rollout.max_batch_size; on a GPU fewer where its free memory holds fewer rows' KV cache
+(`decode_rows`: KV_SHARE_OF_FREE of what is free at generate time, agreed over the TP group), so a cap sized for
+a small model is not an out-of-memory for a large one. The memory ledger counts the same rule.
+
 Generation expert parallelism (e_g > 1, the model's expert-parallel group): each MoE layer sends tokens to the
 replicas holding their experts, so the e_g replicas, each with its own prompts, must run the same forwards:
 they agree on the number of batches (a replica out of rows decodes a one-token placeholder row, discarded),
@@ -32,6 +36,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from hybridrl.automap.ledger import decode_rows
 from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.rollout.base import (GeneratedSequence, Prompts, RolloutEngine, SamplingParams, assemble_batch,
                                    finish_reason, normalise_prompts, validate_prompts)
@@ -102,7 +107,8 @@ class NativeRolloutEngine(RolloutEngine):
             so the hybrid engine can write into them in place.
         max_model_len: context length (prompt + response) the engine accepts.
         vocab_size: the real vocabulary (Megatron may pad the output layer; padded logits are dropped).
-        max_batch_size: rows decoded together; the KV cache holds max_batch_size x max_model_len.
+        max_batch_size: rows decoded together (fewer on a GPU whose free memory holds fewer: `decode_rows`);
+            the KV cache holds that many x max_model_len.
         pad_token_id: filler for padding in the returned Batch (never attended to).
         record_routing: keep each token's experts (a mixture-of-experts model) in the Batch's
             "routed_experts".
@@ -157,13 +163,39 @@ class NativeRolloutEngine(RolloutEngine):
                                  "mixture-of-experts model; this one has no experts")
 
     # ---- KV cache ----------------------------------------------------------------------------------
-    def _inference_context(self):
+    def _inference_context(self, rows: int):
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        if self._context is None:
-            self._context = StaticInferenceContext(self.max_batch_size, self.max_model_len)
+        if self._context is None or self._context.max_batch_size < rows:
+            self._context = StaticInferenceContext(rows, self.max_model_len)
         self._context.reset()
         return self._context
+
+    def kv_bytes_per_row(self) -> int:
+        """One row's KV cache on this rank: keys and values of every layer over max_model_len positions."""
+        gpt = _unwrap(self.model)
+        config = gpt.config
+        tp = torch.distributed.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        groups = (config.num_query_groups or config.num_attention_heads) // tp
+        element = next(gpt.parameters()).element_size()
+        return len(gpt.decoder.layers) * 2 * groups * config.kv_channels * self.max_model_len * element
+
+    def chunk_rows(self) -> int:
+        """Rows decoded together now: max_batch_size, on a GPU as many as its free memory holds (our own KV cache,
+        about to be reused, counted as free); the same on every rank of the TP group."""
+        if self.device.type != "cuda":
+            return decode_rows(self.max_batch_size, None, 1)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        rows = decode_rows(self.max_batch_size, free + self.kv_cache_bytes(), self.kv_bytes_per_row())
+        if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
+            agreed = torch.tensor([rows], dtype=torch.long, device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+            rows = int(agreed.item())
+        if rows < self.max_batch_size:
+            logger.info("native engine: %d rows per chunk (rollout.max_batch_size %d): the KV cache of more does not "
+                        "fit in this GPU's free memory", rows, self.max_batch_size)
+        return rows
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache holds right now (0 before the first generate and after release())."""
@@ -248,7 +280,7 @@ class NativeRolloutEngine(RolloutEngine):
         try:
             sequences: list[GeneratedSequence | None] = [None] * len(rows)
             interrupted = False
-            batches = self._batches(rows)
+            batches = self._batches(rows, self.chunk_rows())
             for i in range(self._agree(len(batches))):
                 if i >= len(batches):  # the other expert-parallel replicas still have rows: run with them
                     if not interrupted:
@@ -270,17 +302,15 @@ class NativeRolloutEngine(RolloutEngine):
             self.last_row_steps = self._row_steps
         return sequences
 
-    def _batches(self, rows: list[list[int]]) -> list[list[int]]:
-        """Row indices decoded together, at most max_batch_size each: consecutive rows, or with
-        `one_length_per_batch` rows of one prompt length (so no row is padded)."""
+    def _batches(self, rows: list[list[int]], size: int) -> list[list[int]]:
+        """Row indices decoded together, at most `size` each: consecutive rows, or with `one_length_per_batch` rows
+        of one prompt length (so no row is padded)."""
         if not self.one_length_per_batch:
-            return [list(range(start, min(start + self.max_batch_size, len(rows))))
-                    for start in range(0, len(rows), self.max_batch_size)]
+            return [list(range(start, min(start + size, len(rows)))) for start in range(0, len(rows), size)]
         by_length: dict[int, list[int]] = {}
         for r, ids in enumerate(rows):
             by_length.setdefault(len(ids), []).append(r)
-        return [group[start:start + self.max_batch_size] for group in by_length.values()
-                for start in range(0, len(group), self.max_batch_size)]
+        return [group[start:start + size] for group in by_length.values() for start in range(0, len(group), size)]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, offset: int,
                  context) -> torch.Tensor:
@@ -329,7 +359,7 @@ class NativeRolloutEngine(RolloutEngine):
             context = None
             self._fast.reset(batch, next(_unwrap(self.model).parameters()).dtype, dev)
         else:
-            context = self._inference_context()
+            context = self._inference_context(batch)
         if self.routing is not None:  # [batch, total_len, moe_layers, topk]: experts per input position
             state.routed = torch.full((batch, state.tokens.shape[1], self.routing.num_moe_layers, self.routing.topk),
                                       -1, dtype=torch.int16)
