@@ -13,7 +13,7 @@ batch (TRL still generates the whole batch at once). Everything else is each sid
 Big cells are slow on 2 cores (TRL's 256 x 512 step is minutes): each side of a cell runs at most --cell-timeout
 seconds; a side that did not finish (time limit, out of memory, error) is reported as such, with no number.
 Results are written after every cell, and --resume keeps the cells a previous run finished, so the sweep can be
-run in parts (--cells picks some).
+run in parts (--cells picks some, measured again if they were finished).
 
     python benchmarks/peer_trl_sweep.py                                  # all 9 cells (about 1-2 h on 2 cores)
     python benchmarks/peer_trl_sweep.py --cells 16x32,64x128 --resume    # some cells, keeping the others
@@ -211,15 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         picked = {c.strip() for c in args.cells.split(",") if c.strip()}
         wanted = [(b, n) for b, n in wanted if cell_key(b, n) in picked]
     cells = {c["cell"]: c for c in previous}
+    markdown = None
     trl_versions = ensure_trl_venv()
     max_len = JOB["max_prompt_length"] + max(args.length_list)
     job = prepare_job(args.size, max_positions=max(128, 1 << (max_len - 1).bit_length()))
     with tempfile.TemporaryDirectory(prefix="peer-sweep-") as tmp:
         for index, (batch, new_tokens) in enumerate(wanted):
             key = cell_key(batch, new_tokens)
-            if args.resume and key in cells and all(cells[key].get(s, {}).get("status") == "ok"
-                                                    for s in ("trl", "hybridrl")):
-                continue
+            if args.resume and not args.cells and key in cells and all(
+                    cells[key].get(s, {}).get("status") == "ok" for s in ("trl", "hybridrl")):
+                continue  # finished before (cells named by --cells are measured again)
             steps = args.big_steps if batch * new_tokens >= args.big_cell else args.steps
             order = ["trl", "hybridrl"] if index % 2 == 0 else ["hybridrl", "trl"]
             cells[key] = run_cell(job, args.size, batch, new_tokens, steps, order, args.cell_timeout, Path(tmp),
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     "dropped_env": side_env(None)[1]}
             report = {"name": args.out_name, "meta": meta, "cells": list(cells.values())}
             markdown = write_report(report, out_dir, args.out_name, write_markdown, write_plot)
-    print(markdown.read_text())
+    print(markdown.read_text() if markdown else f"every cell asked for is finished in {json_path} (--resume)")
     return 0
 
 
