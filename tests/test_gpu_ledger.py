@@ -12,8 +12,8 @@ import pytest
 
 from hybridrl.automap.cost import ModelStats
 from hybridrl.automap.hardware import GiB, gpu
-from hybridrl.automap.ledger import (KV_SHARE_OF_FREE, VLLM_ASLEEP_BYTES, VLLM_RUNTIME_BYTES, Generation, RoleLoad,
-                                     decode_rows, pool_ledger)
+from hybridrl.automap.ledger import (DECODE_BYTES_PER_LOGIT, KV_SHARE_OF_FREE, VLLM_ASLEEP_BYTES, VLLM_RUNTIME_BYTES,
+                                     Generation, RoleLoad, decode_rows, pool_ledger)
 from hybridrl.config import CONFIG_DIR, load_config
 
 H100 = gpu("h100")
@@ -47,15 +47,18 @@ def test_states_and_phases_by_hand():
     assert ledger.kv_sequences["actor"] == int(ledger.generation["actor"]["vllm_kv_cache"] // per_sequence)
     room = ledger.capacity - resident - (gen_shard - 2 * shard)
     assert ledger.max_vllm_utilization["actor"] == int(100 * room / H100.memory_bytes) / 100
-    # the same pool generating natively: no second copy, the KV cache of max_batch_size sequences
+    # the same pool generating natively: no second copy, max_batch_size rows of KV cache and of a decode step's
+    # logits and sampling (32000 vocabulary entries x 40 B a row)
+    per_row = per_sequence + 32000 * DECODE_BYTES_PER_LOGIT
     native = pool_ledger([actor, ref], H100, [Generation("actor", "native", 2, 2048, max_batch_size=8)])
-    assert native.phases["generation:actor"] == pytest.approx(resident + gen_shard - 2 * shard + 8 * per_sequence)
+    assert native.phases["generation:actor"] == pytest.approx(resident + gen_shard - 2 * shard + 8 * per_row)
+    assert native.generation["actor"]["kv_cache"] == 8 * per_sequence
     assert native.phases["experience"] == pytest.approx(resident)  # no vLLM asleep beside it
     # 256 rows (the default) do not fit beside the states: the engine decodes as many as 90% of the room holds
     wide = pool_ledger([actor, ref], H100, [Generation("actor", "native", 2, 2048, max_batch_size=256)])
-    rows = int(KV_SHARE_OF_FREE * (wide.capacity - resident - (gen_shard - 2 * shard)) // per_sequence)
+    rows = int(KV_SHARE_OF_FREE * (wide.capacity - resident - (gen_shard - 2 * shard)) // per_row)
     assert 8 < rows < 256 and wide.kv_sequences["actor"] == rows and wide.fits
-    assert wide.phases["generation:actor"] == pytest.approx(resident + gen_shard - 2 * shard + rows * per_sequence)
+    assert wide.phases["generation:actor"] == pytest.approx(resident + gen_shard - 2 * shard + rows * per_row)
     # the engine's rule on a GPU (rollout/native.py chunk_rows): the cap, or what 90% of the free memory holds
     assert decode_rows(256, None, per_sequence) == 256  # a CPU: the cap alone
     assert decode_rows(256, 10 * GiB, GiB) == 9 and decode_rows(4, 10 * GiB, GiB) == 4

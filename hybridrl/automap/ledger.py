@@ -16,8 +16,9 @@ The actor's generation, on the pool it trains on:
                    scripts/gpu_check.sh) and its KV cache: vLLM takes gpu_memory_utilization x the device's memory for
                    all three (or weights + runtime + kv_cache_memory_bytes when that is set); asleep between
                    generations it keeps VLLM_ASLEEP_BYTES
-  native engine    the KV cache of rollout.max_batch_size sequences of the context, or of as many as
-                   KV_SHARE_OF_FREE of the room left in the phase holds (`decode_rows`, the engine's own rule)
+  native engine    the KV cache of rollout.max_batch_size sequences of the context and their decode step's logits
+                   and sampling (DECODE_BYTES_PER_LOGIT a vocabulary entry), or of as many as KV_SHARE_OF_FREE of
+                   the room left in the phase holds (`decode_rows`, the engine's own rule)
   offload          actor.offload / critic.offload: gradients and optimizer state leave the GPU from the end of the
                    role's update to the start of its next; actor.offload.params: the actor's weights (and the
                    generation shard) while vLLM generates, after the push (during the push both copies are resident)
@@ -37,18 +38,26 @@ GiB = 1 << 30
 VLLM_RUNTIME_BYTES = 3 * GiB  # vLLM awake besides weights and KV cache (assumed; gpu_check.sh measures it)
 VLLM_ASLEEP_BYTES = 1 * GiB  # vLLM asleep: CUDA graphs' pool, NCCL buffers (assumed)
 STATES = ("weights", "gradients", "optimizer")
-# Of a GPU's free memory at generate time, what one chunk of the native engine's KV cache may take (the rest: decode
-# activations, the logits and sampling of the chunk)
+# Of a GPU's free memory at generate time, what one chunk of the native engine may take for its rows' KV cache and
+# decode working set (the rest: hidden states, the allocator's fragmentation)
 KV_SHARE_OF_FREE = 0.9
+# A decode step's logits and sampling, per row and vocabulary entry, at their peak: the model's logits, their fp32
+# copy and log-probs, top-p's sorted values (fp32) and order (int64), the fp64 CDF the sampler searches
+DECODE_BYTES_PER_LOGIT = 40
 
 
 def decode_rows(cap: int, free_bytes: float | None, row_bytes: float) -> int:
     """Rows the native engine decodes together: `cap` (rollout.max_batch_size), or fewer where `free_bytes` (a GPU's
-    free memory; None: a CPU, no limit but the cap) holds the KV cache of fewer rows of `row_bytes` each; at least
-    one (whether one fits is the ledger's verdict)."""
+    free memory; None: a CPU, no limit but the cap) holds fewer rows of `row_bytes` each (KV cache and decode
+    working set: `decode_row_bytes`); at least one (whether one fits is the ledger's verdict)."""
     if free_bytes is None:
         return cap
     return max(1, min(cap, int(free_bytes * KV_SHARE_OF_FREE // row_bytes)))
+
+
+def decode_row_bytes(kv_bytes: float, vocab: int) -> float:
+    """What one decoding row holds: its KV cache and its share of a decode step's logits and sampling."""
+    return kv_bytes + vocab * DECODE_BYTES_PER_LOGIT
 
 
 @dataclass(frozen=True)
@@ -202,10 +211,11 @@ def _generation(ledger: Ledger, loads: list[RoleLoad], role: RoleLoad, gen: Gene
     name = f"generation:{gen.role}"
     if gen.engine != "vllm":  # as many rows as the room holds, up to max_batch_size (none: it does not fit)
         room = ledger.capacity - resident - buffer
-        rows = decode_rows(gen.max_batch_size, room, per_sequence) if room * KV_SHARE_OF_FREE >= per_sequence else 0
-        kv = max(rows, 1) * per_sequence
-        ledger.generation[gen.role] = {"hybrid_engine_buffer": buffer, "kv_cache": kv}
-        ledger.phases[name] = resident + buffer + kv
+        per_row = decode_row_bytes(per_sequence, role.model.vocab)
+        rows = decode_rows(gen.max_batch_size, room, per_row) if room * KV_SHARE_OF_FREE >= per_row else 0
+        kv, logits = max(rows, 1) * per_sequence, max(rows, 1) * (per_row - per_sequence)
+        ledger.generation[gen.role] = {"hybrid_engine_buffer": buffer, "kv_cache": kv, "decode_logits": logits}
+        ledger.phases[name] = resident + buffer + kv + logits
         ledger.kv_sequences[gen.role] = rows
         return
     runtime = VLLM_RUNTIME_BYTES

@@ -20,9 +20,10 @@ with no extra communication. Pipeline parallelism at generation (p_g > 1) is not
 record_routing (mixture-of-experts models): the experts every forward routed each token to are kept per
 sequence (prompt and response positions; models/routing_replay.py), for the trainer to replay or compare.
 
-Rows per chunk: rollout.max_batch_size; on a GPU fewer where its free memory holds fewer rows' KV cache
-(`decode_rows`: KV_SHARE_OF_FREE of what is free at generate time, agreed over the TP group), so a cap sized for
-a small model is not an out-of-memory for a large one. The memory ledger counts the same rule.
+Rows per chunk: rollout.max_batch_size; on a GPU fewer where its free memory holds fewer rows (each its KV cache
+and its decode step's logits and sampling; `decode_rows`: KV_SHARE_OF_FREE of what is free at generate time,
+agreed over the TP group), so a cap sized for a small model is not an out-of-memory for a large one. The memory
+ledger counts the same rule.
 
 Generation expert parallelism (e_g > 1, the model's expert-parallel group): each MoE layer sends tokens to the
 replicas holding their experts, so the e_g replicas, each with its own prompts, must run the same forwards:
@@ -36,7 +37,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from hybridrl.automap.ledger import decode_rows
+from hybridrl.automap.ledger import decode_row_bytes, decode_rows
 from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.rollout.base import (GeneratedSequence, Prompts, RolloutEngine, SamplingParams, assemble_batch,
                                    finish_reason, normalise_prompts, validate_prompts)
@@ -187,14 +188,15 @@ class NativeRolloutEngine(RolloutEngine):
             return decode_rows(self.max_batch_size, None, 1)
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        rows = decode_rows(self.max_batch_size, free + self.kv_cache_bytes(), self.kv_bytes_per_row())
+        row = decode_row_bytes(self.kv_bytes_per_row(), self.vocab_size)
+        rows = decode_rows(self.max_batch_size, free + self.kv_cache_bytes(), row)
         if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
             agreed = torch.tensor([rows], dtype=torch.long, device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
             rows = int(agreed.item())
         if rows < self.max_batch_size:
-            logger.info("native engine: %d rows per chunk (rollout.max_batch_size %d): the KV cache of more does not "
-                        "fit in this GPU's free memory", rows, self.max_batch_size)
+            logger.info("native engine: %d rows per chunk (rollout.max_batch_size %d): the KV cache and logits of more "
+                        "do not fit in this GPU's free memory", rows, self.max_batch_size)
         return rows
 
     def kv_cache_bytes(self) -> int:
