@@ -12,8 +12,8 @@ import pytest
 
 from hybridrl.automap.cost import ModelStats
 from hybridrl.automap.hardware import GiB, gpu
-from hybridrl.automap.ledger import (DECODE_BYTES_PER_LOGIT, KV_SHARE_OF_FREE, VLLM_ASLEEP_BYTES, VLLM_RUNTIME_BYTES,
-                                     Generation, RoleLoad, decode_rows, pool_ledger)
+from hybridrl.automap.ledger import VLLM_ASLEEP_BYTES, VLLM_RUNTIME_BYTES, Generation, RoleLoad, pool_ledger
+from hybridrl.decode_memory import DECODE_BYTES_PER_LOGIT, KV_SHARE_OF_FREE, decode_rows
 from hybridrl.config import CONFIG_DIR, load_config
 
 H100 = gpu("h100")

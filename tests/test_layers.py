@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Bottom-up. Each name is a top-level module or package of hybridrl, or the megatron_patches package.
 # A new module goes into the lowest layer whose imports it needs; a new package is added here (and to README).
 LAYERS: list[tuple[str, ...]] = [
-    ("bundled", "registry", "versions", "protocol", "config", "data", "algorithms", "parallel",
+    ("bundled", "registry", "versions", "protocol", "decode_memory", "config", "data", "algorithms", "parallel",
      "megatron_patches"),                                                                        # L0
     ("models", "controller", "envs", "launch"),                                                 # L1
     ("rollout", "hybrid_engine"),                                                               # L2

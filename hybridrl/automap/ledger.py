@@ -33,31 +33,12 @@ from dataclasses import dataclass, field
 
 from hybridrl.automap.cost import ModelStats, activation_bytes, forward_bytes
 from hybridrl.automap.hardware import Accelerator
+from hybridrl.decode_memory import KV_SHARE_OF_FREE, decode_row_bytes, decode_rows
 
 GiB = 1 << 30
 VLLM_RUNTIME_BYTES = 3 * GiB  # vLLM awake besides weights and KV cache (assumed; gpu_check.sh measures it)
 VLLM_ASLEEP_BYTES = 1 * GiB  # vLLM asleep: CUDA graphs' pool, NCCL buffers (assumed)
 STATES = ("weights", "gradients", "optimizer")
-# Of a GPU's free memory at generate time, what one chunk of the native engine may take for its rows' KV cache and
-# decode working set (the rest: hidden states, the allocator's fragmentation)
-KV_SHARE_OF_FREE = 0.9
-# A decode step's logits and sampling, per row and vocabulary entry, at their peak: the model's logits, their fp32
-# copy and log-probs, top-p's sorted values (fp32) and order (int64), the fp64 CDF the sampler searches
-DECODE_BYTES_PER_LOGIT = 40
-
-
-def decode_rows(cap: int, free_bytes: float | None, row_bytes: float) -> int:
-    """Rows the native engine decodes together: `cap` (rollout.max_batch_size), or fewer where `free_bytes` (a GPU's
-    free memory; None: a CPU, no limit but the cap) holds fewer rows of `row_bytes` each (KV cache and decode
-    working set: `decode_row_bytes`); at least one (whether one fits is the ledger's verdict)."""
-    if free_bytes is None:
-        return cap
-    return max(1, min(cap, int(free_bytes * KV_SHARE_OF_FREE // row_bytes)))
-
-
-def decode_row_bytes(kv_bytes: float, vocab: int) -> float:
-    """What one decoding row holds: its KV cache and its share of a decode step's logits and sampling."""
-    return kv_bytes + vocab * DECODE_BYTES_PER_LOGIT
 
 
 @dataclass(frozen=True)

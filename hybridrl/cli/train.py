@@ -262,6 +262,7 @@ def _train(cfg, trainer, tracker, run_dir, resume_from) -> int:
 def _start_ray(trainer) -> None:
     """Start or join Ray, then put the stop handler back over the one Ray's init installs (`sys.exit(15)`); a
     SIGTERM that comes while Ray's is current is this run's stop all the same."""
+    # start-up time: Ray (hybridrl.controller's package imports it; see run)
     from hybridrl.controller.interrupts import Interrupted, rearm
 
     try:

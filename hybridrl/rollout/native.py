@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from hybridrl.automap.ledger import decode_row_bytes, decode_rows
+from hybridrl.decode_memory import decode_row_bytes, decode_rows
 from hybridrl.models.routing_replay import ExpertRouting
 from hybridrl.rollout.base import (GeneratedSequence, Prompts, RolloutEngine, SamplingParams, assemble_batch,
                                    finish_reason, normalise_prompts, validate_prompts)
