@@ -185,7 +185,7 @@ class NativeRolloutEngine(RolloutEngine):
         """Rows decoded together now: max_batch_size, on a GPU as many as its free memory holds (our own KV cache,
         about to be reused, counted as free); the same on every rank of the TP group."""
         if self.device.type != "cuda":
-            return decode_rows(self.max_batch_size, None, 1)
+            return self.max_batch_size
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         row = decode_row_bytes(self.kv_bytes_per_row(), self.vocab_size)

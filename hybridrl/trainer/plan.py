@@ -21,8 +21,8 @@ from hybridrl.algorithms.loss_agg import check_loss_agg
 from hybridrl.algorithms.registry import AlgorithmSpec, import_algorithm_module, validate_algorithm
 from hybridrl.algorithms.rollout_correction import check_correction
 from hybridrl.algorithms.step import StepNeeds, step_needs
-from hybridrl.config import ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, check_config as _check, dtype_holder, \
-    typed
+from hybridrl.config import (ROLE_SECTIONS, ConfigError, LoraConfig, RolloutConfig, check_config as _check,
+                             dtype_holder, typed)
 from hybridrl.controller.worker_group import DEFAULT_START_TIMEOUT_S, start_timeout_for
 from hybridrl.hybrid_engine.plan import STRATEGIES
 from hybridrl.models.config import CheckpointError, hf_config_for_plan
@@ -246,7 +246,6 @@ def _place_roles(cfg: Any, plan: RunPlan, on_gpu: bool | None) -> None:
         plan.roles[role] = RolePlan(role, role_cfg.pool, layout, path)
         holder = dtype_holder(role, role_cfg)
         holder.dtype = model_dtype(holder.dtype, path, on_gpu)
-
 
 
 def _start_timeout(cfg: Any, plan: RunPlan) -> float:
